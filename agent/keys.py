@@ -1,0 +1,56 @@
+"""The etcd key layout of one job, in one place (see docs/design.md, "Keys").
+
+All keys live under ``/tmrun/<job>/``; values are versioned JSON written by :mod:`agent.records`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+ROOT = "/tmrun/"
+
+
+@dataclasses.dataclass(frozen=True)
+class JobKeys:
+    job: str
+
+    @property
+    def root(self) -> str:
+        return f"{ROOT}{self.job}/"
+
+    @property
+    def nodes(self) -> str:
+        return self.root + "nodes/"
+
+    def node(self, name: str) -> str:
+        return self.nodes + name
+
+    @property
+    def leader(self) -> str:
+        return self.root + "leader"
+
+    @property
+    def plan(self) -> str:
+        return self.root + "plan"
+
+    @property
+    def outcome(self) -> str:
+        return self.root + "outcome"
+
+    @property
+    def requests(self) -> str:
+        return self.root + "requests/"
+
+    def request(self, request_id: str) -> str:
+        return self.requests + request_id
+
+    @property
+    def events(self) -> str:
+        return self.root + "events/"
+
+    def event(self, seq: int) -> str:
+        return f"{self.events}{seq:020d}"
+
+    def relative(self, key: str) -> str:
+        """``/tmrun/job/nodes/node-0`` → ``nodes/node-0``."""
+        return key[len(self.root):] if key.startswith(self.root) else key

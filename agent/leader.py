@@ -1,0 +1,165 @@
+"""The leader: elected through etcd, it turns the job's state into generations.
+
+Any agent can lead. Each campaigns by creating the ``leader`` key bound to its lease; the winner
+runs the driver below until it loses the key (its lease expired or it stopped), and then another
+agent wins. The driver reads the job's keys, asks :func:`agent.policy.decide`, applies the
+decision with compare-and-set on ``plan`` and waits for the next change or the decision's
+deadline. The leader hosts the torch TCPStore of each generation it starts.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+from typing import Callable
+
+from agent.changes import Changes
+from agent.config import AgentConfig
+from agent.keys import JobKeys
+from agent.policy import Action, Cluster, Clock, Decision, Limits, NodeView, decide, failure_pending, quorum_reached
+from agent.records import EventRecord, NodeRecord, Outcome, Plan, RecordError, Request
+from agent.store import Entry, Store
+
+log = logging.getLogger("tmrun.leader")
+
+
+def read_cluster(keys: JobKeys, entries: dict[str, Entry]) -> tuple[Cluster, Entry | None]:
+    """A :class:`Cluster` snapshot from the job's keys, and the plan's entry (for CAS)."""
+    nodes: dict[str, NodeView] = {}
+    requests: list[tuple[int, Request]] = []
+    for key, entry in entries.items():
+        rel = keys.relative(key)
+        try:
+            if rel.startswith("nodes/"):
+                rec = NodeRecord.from_dict(entry.value)
+                nodes[rec.node] = NodeView(rec.node, entry.create_revision, rec.slots, rec.standby_hint,
+                                           rec.run_state, entry.mod_revision)
+            elif rel.startswith("requests/"):
+                req = Request.from_dict(entry.value)
+                if req.state == "pending":
+                    requests.append((entry.create_revision, req))
+        except RecordError as exc:
+            log.warning("ignoring %s: %s", rel, exc)
+    plan_entry = entries.get(keys.plan)
+    plan = Plan.from_dict(plan_entry.value) if plan_entry else None
+    finished = keys.outcome in entries
+    ordered = tuple(req for _, req in sorted(requests, key=lambda item: item[0]))
+    return Cluster(nodes, plan, ordered, finished), plan_entry
+
+
+class Leader:
+    """Campaigns for leadership and, while leader, drives the job's generations."""
+
+    def __init__(self, cfg: AgentConfig, store: Store, lease: int, changes: Changes,
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
+        self._cfg = cfg
+        self._store = store
+        self._lease = lease
+        self._changes = changes
+        self._keys = JobKeys(cfg.job_id)
+        self._clock = clock
+        self._wall = wall
+        t = cfg.timeouts
+        self._limits = Limits(cfg.min_nodes, cfg.max_nodes, cfg.worker.max_restarts, t.join, t.last_call,
+                              t.failure_window)
+        self._tcp_stores: collections.deque = collections.deque(maxlen=3)
+        self.is_leader = False
+
+    async def run(self) -> None:
+        """Campaign forever; lead whenever elected."""
+        while True:
+            seen = self._changes.version
+            current = await self._store.get(self._keys.leader)
+            if current is None:
+                record = {"v": 1, "node": self._cfg.node, "host": self._cfg.host, "since": self._wall()}
+                if await self._store.create(self._keys.leader, record, lease=self._lease):
+                    log.info("%s leads job %s", self._cfg.node, self._cfg.job_id)
+                    self.is_leader = True
+                    try:
+                        await self._lead()
+                    finally:
+                        self.is_leader = False
+                    continue
+            await self._changes.wait(seen)
+
+    async def _lead(self) -> None:
+        rendezvous_since = self._clock()
+        quorum_since: float | None = None
+        failure_since: tuple[int, float] | None = None
+        last_reason = ""
+        while True:
+            seen = self._changes.version
+            entries, _ = await self._store.get_prefix(self._keys.root)
+            leader = entries.get(self._keys.leader)
+            if leader is None or leader.value.get("node") != self._cfg.node:
+                log.warning("%s is no longer the leader", self._cfg.node)
+                return
+            cluster, plan_entry = read_cluster(self._keys, entries)
+            now = self._clock()
+            if quorum_reached(cluster, self._limits):
+                quorum_since = now if quorum_since is None else quorum_since
+            else:
+                quorum_since = None
+            gen = cluster.plan.gen if cluster.plan else 0
+            if failure_pending(cluster):
+                if failure_since is None or failure_since[0] != gen:
+                    failure_since = (gen, now)
+            else:
+                failure_since = None
+            clock = Clock(now, rendezvous_since, quorum_since, failure_since[1] if failure_since else None)
+            decision = decide(cluster, self._limits, clock)
+            if decision.reason != last_reason:
+                log.info("decision %s: %s", decision.action.value, decision.reason)
+                last_reason = decision.reason
+            if decision.action is Action.WAIT:
+                timeout = None if decision.until is None else max(0.0, decision.until - self._clock())
+                await self._changes.wait(seen, timeout)
+                continue
+            await self._apply(decision, cluster, plan_entry)
+
+    async def _apply(self, decision: Decision, cluster: Cluster, plan_entry: Entry | None) -> None:
+        plan = cluster.plan
+        gen = plan.gen if plan else 0
+        if decision.action is Action.FINISH:
+            outcome = Outcome(decision.outcome, decision.reason, gen, self._wall())
+            await self._store.create(self._keys.outcome, outcome.to_dict())
+            await self._event(decision, gen)
+        elif decision.action in (Action.START, Action.AMEND):
+            if decision.action is Action.START:
+                gen, host, port = gen + 1, self._cfg.host, self._new_tcp_store()
+            else:
+                assert plan is not None
+                host, port = plan.store_host, plan.store_port
+            slots = {m: cluster.nodes[m].slots for m in decision.members}
+            new_plan = Plan(gen, decision.members, slots, host, port, self._cfg.node, decision.reason,
+                            decision.restarts, decision.in_place_restarts, dict(decision.out), self._wall())
+            written = await self._store.replace(self._keys.plan, new_plan.to_dict(),
+                                                mod_revision=plan_entry.mod_revision if plan_entry else 0)
+            if not written:
+                return  # someone else changed the plan: look again
+            await self._event(decision, gen)
+        for answer in decision.answers:
+            key = self._keys.request(answer.request_id)
+            entry = await self._store.get(key)
+            if entry is None:
+                continue
+            request = dataclasses.replace(Request.from_dict(entry.value), state=answer.state,
+                                          answer=answer.text, gen=gen)
+            await self._store.replace(key, request.to_dict(), mod_revision=entry.mod_revision)
+        if decision.action is Action.ANSWER:
+            await self._event(decision, gen)
+
+    async def _event(self, decision: Decision, gen: int) -> None:
+        record = EventRecord(self._wall(), decision.kind or decision.action.value, decision.reason, gen,
+                             {"members": list(decision.members), "out": dict(decision.out)})
+        await self._store.put(self._keys.event(time.time_ns()), record.to_dict())
+
+    def _new_tcp_store(self) -> int:
+        """Host a fresh TCPStore for the new generation; keep the last few alive."""
+        from torch.distributed import TCPStore  # only the leader pays for importing torch
+
+        store = TCPStore(self._cfg.host, 0, is_master=True, wait_for_workers=False)
+        self._tcp_stores.append(store)
+        return store.port

@@ -1,0 +1,229 @@
+"""The node agent: registers this node, follows the plan, supervises its workers, may lead.
+
+One agent per node (per ``node-N`` in a local cluster). Its life::
+
+    register (nodes/<node>, bound to a lease) ─► follow the plan ─► outcome written ─► exit
+                    │                                 │
+                    └── keepalive; lease lost ──► kill workers at once (fencing) ─► exit 7
+
+Following the plan is level-triggered: on every change the agent reads ``plan`` and ``outcome``;
+if it is a member of a generation it is not running yet, it stops its old workers first (so no
+two generations of this node ever run at once) and starts the new ones; if it is not a member it
+runs none; if the plan says it was drained it leaves. Worker exits are reported in its node key,
+where the leader reads them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+from agent.changes import Changes
+from agent.config import AgentConfig
+from agent.errors import ConfigError, LeaseLost, StoreError
+from agent.keys import JobKeys
+from agent.leader import Leader
+from agent.output import OutputRouter
+from agent.records import NodeRecord, Outcome, Plan, RunState
+from agent.store import Store
+from agent.worker_env import worker_env
+from agent.workers import GroupResult, WorkerGroup, WorkerLaunch
+
+log = logging.getLogger("tmrun.agent")
+
+EXIT_OK, EXIT_FAILED, EXIT_LEASE_LOST = 0, 1, 7
+
+
+class NodeAgent:
+    def __init__(self, cfg: AgentConfig, store: Store) -> None:
+        self.cfg = cfg
+        self._store = store
+        self._keys = JobKeys(cfg.job_id)
+        self._lease = 0
+        self._changes = Changes(store, self._keys.root)
+        self._group: WorkerGroup | None = None
+        self._group_gen = 0
+        self._group_wait: asyncio.Task | None = None
+        self._signal = asyncio.Event()
+        self._signum = 0
+        self._run = RunState()
+        own_logs = cfg.worker.log_dir is None
+        self._log_root = Path(tempfile.mkdtemp(prefix=f"tmrun-{cfg.node}-")) if own_logs else Path(cfg.worker.log_dir)
+        self._own_log_root = own_logs
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        background: list[asyncio.Task] = []
+        lease_lost = False
+        try:
+            self._lease = await self._store.grant_lease(self.cfg.timeouts.lease_ttl)
+            if not await self._store.create(self._keys.node(self.cfg.node), self._record().to_dict(), lease=self._lease):
+                raise ConfigError(f"node name {self.cfg.node!r} is already in use in job {self.cfg.job_id}")
+            _, revision = await self._store.get_prefix(self._keys.root)
+            await self._changes.start(revision + 1)
+            log.info("%s joined job %s (host %s, %d slots)", self.cfg.node, self.cfg.job_id, self.cfg.host,
+                     self.cfg.worker.nproc_per_node)
+            leader = Leader(self.cfg, self._store, self._lease, self._changes)
+            background = [asyncio.ensure_future(self._keepalive()), asyncio.ensure_future(leader.run())]
+            return await self._follow(background)
+        except LeaseLost:
+            lease_lost = True
+            if self._group is not None:
+                self._group.kill_now()
+            log.error("%s lost its lease: workers killed, leaving the job", self.cfg.node)
+            return EXIT_LEASE_LOST
+        finally:
+            await self._stop_workers()
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+            await self._changes.close()
+            if self._lease and not lease_lost:
+                try:
+                    await self._store.revoke_lease(self._lease)
+                except StoreError:
+                    pass
+            await self._store.close()
+            if self._own_log_root:
+                shutil.rmtree(self._log_root, ignore_errors=True)
+
+    def _on_signal(self, sig: int) -> None:
+        self._signum = sig
+        self._signal.set()
+
+    async def _follow(self, background: list[asyncio.Task]) -> int:
+        while True:
+            seen = self._changes.version
+            if self._signal.is_set():
+                log.info("%s: %s received, stopping", self.cfg.node, signal.Signals(self._signum).name)
+                return 128 + self._signum
+            outcome_entry = await self._store.get(self._keys.outcome)
+            if outcome_entry is not None:
+                outcome = Outcome.from_dict(outcome_entry.value)
+                await self._stop_workers()
+                return EXIT_OK if outcome.state == "succeeded" else EXIT_FAILED
+            plan_entry = await self._store.get(self._keys.plan)
+            if plan_entry is not None:
+                leave = await self._reconcile(Plan.from_dict(plan_entry.value))
+                if leave:
+                    return EXIT_OK
+            waiters = [asyncio.ensure_future(self._changes.wait(seen)), asyncio.ensure_future(self._signal.wait())]
+            if self._group_wait is not None:
+                waiters.append(self._group_wait)
+            done, _ = await asyncio.wait(waiters + background, return_when=asyncio.FIRST_COMPLETED)
+            for task in waiters[:2]:
+                if task not in done:
+                    task.cancel()
+            for task in done:
+                if task in background:
+                    task.result()  # re-raises LeaseLost or a store error
+                    raise RuntimeError("a background task of the agent ended")
+            if self._group_wait is not None and self._group_wait.done():
+                await self._on_group_done(self._group_wait.result())
+            done_waiter = waiters[0]
+            if done_waiter in done:
+                done_waiter.result()
+
+    async def _reconcile(self, plan: Plan) -> bool:
+        """Bring this node in line with ``plan``; True when this node must leave the job."""
+        node = self.cfg.node
+        if node in plan.out:
+            await self._stop_workers()
+            if plan.out[node] == "drained":
+                log.info("%s was drained: leaving the job", node)
+                return True
+            if self._run.state != "idle":
+                await self._report(RunState(plan.gen, "idle", at=time.time()))
+            return False
+        if node in plan.members:
+            if self._group_gen != plan.gen:
+                await self._stop_workers()
+                await self._start_workers(plan)
+            return False
+        if self._group is not None:
+            await self._stop_workers()
+            await self._report(RunState(plan.gen, "idle", at=time.time()))
+        return False
+
+    async def _start_workers(self, plan: Plan) -> None:
+        cfg = self.cfg
+        gen_dir = self._log_root / cfg.job_id / cfg.node / f"gen{plan.gen}"
+        offset = plan.rank_offset(cfg.node)
+        launches = []
+        for local_rank in range(cfg.worker.nproc_per_node):
+            error_file = gen_dir / str(local_rank) / "error.json"
+            error_file.parent.mkdir(parents=True, exist_ok=True)
+            env = worker_env(os.environ, cfg, plan, local_rank, str(error_file))
+            launches.append(WorkerLaunch(cfg.worker.argv, env, local_rank, offset + local_rank))
+        router = OutputRouter(cfg.node, log_dir=gen_dir, redirects=cfg.worker.redirects, tee=cfg.worker.tee,
+                              local_ranks_filter=cfg.worker.local_ranks_filter)
+        group = WorkerGroup(launches, router, cfg.timeouts.stop_grace)
+        await group.start()
+        self._group, self._group_gen = group, plan.gen
+        self._group_wait = asyncio.ensure_future(group.wait())
+        log.info("%s started generation %d: ranks %d-%d of %d (pids %s)", cfg.node, plan.gen, offset,
+                 offset + cfg.worker.nproc_per_node - 1, plan.world_size, ", ".join(map(str, group.pids)))
+        await self._report(RunState(plan.gen, "running", rank=offset, worker_pids=group.pids, at=time.time()))
+
+    async def _on_group_done(self, result: GroupResult) -> None:
+        gen = self._group_gen
+        self._group_wait = None
+        if result.state == "failed":
+            log.warning("%s generation %d: worker rank %s exited with %s", self.cfg.node, gen, result.rank,
+                        result.exitcode)
+        await self._report(RunState(gen, result.state, result.exitcode, result.rank, at=time.time()))
+
+    async def _stop_workers(self) -> None:
+        group, wait = self._group, self._group_wait
+        if group is None:
+            return
+        await group.stop()
+        if wait is not None:
+            await asyncio.gather(wait, return_exceptions=True)
+        self._group, self._group_wait, self._group_gen = None, None, 0
+
+    async def _report(self, run: RunState) -> None:
+        self._run = run
+        await self._store.put(self._keys.node(self.cfg.node), self._record().to_dict(), lease=self._lease)
+
+    def _record(self) -> NodeRecord:
+        cfg = self.cfg
+        return NodeRecord(cfg.node, cfg.host, os.getpid(), cfg.worker.nproc_per_node, cfg.standby_hint,
+                          time.time(), self._run.to_dict())
+
+    async def _keepalive(self) -> None:
+        """Refresh the lease every third of its TTL; raise LeaseLost once it is gone."""
+        ttl = self.cfg.timeouts.lease_ttl
+        last_ok = time.monotonic()
+        while True:
+            await asyncio.sleep(ttl / 3)
+            try:
+                remaining = await self._store.refresh_lease(self._lease)
+            except StoreError as exc:
+                if time.monotonic() - last_ok > ttl:
+                    raise LeaseLost(f"no keepalive for {ttl} s: {exc}") from exc
+                continue
+            if remaining <= 0:
+                raise LeaseLost("the lease expired")
+            last_ok = time.monotonic()
+
+
+def make_store(cfg: AgentConfig) -> Store:
+    from agent.etcd_store import EtcdStore, TlsOptions, parse_endpoint
+
+    tls = None
+    if cfg.tls_cacert or cfg.tls_cert or cfg.tls_key:
+        tls = TlsOptions(cfg.tls_cacert, cfg.tls_cert, cfg.tls_key)
+    return EtcdStore(parse_endpoint(cfg.endpoint), tls=tls, retry_deadline=cfg.timeouts.store_retry)
+
+
+async def run_agent(cfg: AgentConfig) -> int:
+    return await NodeAgent(cfg, make_store(cfg)).run()

@@ -1,0 +1,276 @@
+"""The leader's decision core: a pure function from a snapshot of the job to the next action.
+
+The leader's driver (:mod:`agent.leader`) reads the job's keys, builds a :class:`Cluster`, asks
+:func:`decide` what to do, applies the answer with compare-and-set and waits for the next change.
+Nothing here reads a clock, the store or the environment; time comes in as :class:`Clock`.
+
+Which node takes which place (the rank policy)::
+
+    members (group rank = index)      standby pool (join order)
+    [node-0, node-1, node-2]          [node-3, node-4]
+                ^ fails
+    [node-0, node-3, node-2]          [node-4]          out: {node-1: failed}
+
+- A standby takes the lost node's place, at the same index: healthy nodes never move.
+- No standby left: an elastic job (``--nnodes MIN:MAX``) shrinks while it stays at MIN or above;
+  otherwise the node restarts in place, at most ``--max-restarts`` times for the whole job.
+- A lost node (lease expired) can't restart in place; the job waits ``join`` seconds for a node.
+
+Which node is to blame (the culprit rule): a failure in one place usually makes every peer's
+collective fail a moment later, so a plain non-zero exit is ambiguous. A lost lease or a worker
+killed by a signal is taken as the cause at once; otherwise the leader waits ``failure_window``
+seconds for such a clearer cause and then blames the node that reported first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Mapping
+
+from agent.records import Plan, Request, RunState
+
+
+class Action(str, enum.Enum):
+    WAIT = "wait"  # nothing to do until ``until`` or the next change
+    START = "start"  # write a new generation (gen + 1) with ``members``
+    AMEND = "amend"  # rewrite the current plan's ``out`` without a new generation
+    FINISH = "finish"  # write the job's outcome
+    ANSWER = "answer"  # answer requests only
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeView:
+    """A live node as the leader sees it (its key exists, so its lease holds)."""
+
+    name: str
+    order: int  # create revision of its key: join order
+    slots: int
+    standby_hint: bool = False
+    run: RunState = RunState()
+    report_revision: int = 0  # mod revision of its key: when it last reported
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    nodes: Mapping[str, NodeView]
+    plan: Plan | None
+    requests: tuple[Request, ...] = ()  # pending, oldest first
+    finished: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    min_nodes: int
+    max_nodes: int
+    max_restarts: int = 0
+    join_timeout: float = 600.0
+    last_call: float = 1.0
+    failure_window: float = 6.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Clock:
+    """Times the driver observed; ``None`` where the condition does not hold now."""
+
+    now: float
+    rendezvous_since: float = 0.0
+    quorum_since: float | None = None
+    failure_since: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    request_id: str
+    state: str  # accepted | rejected | done
+    text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: str
+    members: tuple[str, ...] = ()
+    out: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    restarts: int = 0
+    in_place_restarts: int = 0
+    outcome: str = ""
+    answers: tuple[Answer, ...] = ()
+    until: float | None = None
+    kind: str = ""  # event kind for the history: start, failure, drain, scale-up, ...
+
+
+def quorum_reached(cluster: Cluster, limits: Limits) -> bool:
+    """Whether enough nodes are up for the first generation (the driver times this)."""
+    return len(_eligible(cluster)) >= limits.min_nodes
+
+
+def failure_pending(cluster: Cluster) -> bool:
+    """Whether the current generation has a failed or lost member (the driver times this)."""
+    plan = cluster.plan
+    return plan is not None and bool(_lost(cluster, plan) or _failed(cluster, plan))
+
+
+def decide(cluster: Cluster, limits: Limits, clock: Clock) -> Decision:
+    """The next action for the leader, with its reason."""
+    if cluster.finished:
+        return Decision(Action.WAIT, "the job has ended")
+    plan = cluster.plan
+    if plan is None:
+        return _rendezvous(cluster, limits, clock)
+    if all(_run(cluster, m).gen == plan.gen and _run(cluster, m).state == "succeeded" for m in plan.members):
+        return Decision(Action.FINISH, f"all {len(plan.members)} nodes finished generation {plan.gen}",
+                        outcome="succeeded", kind="succeeded")
+    failure = _on_failure(cluster, plan, limits, clock)
+    if failure is not None:
+        return failure
+    if cluster.requests:
+        return _on_request(cluster, plan, limits, cluster.requests[0])
+    pool = _pool(cluster, plan)
+    if len(plan.members) < limits.max_nodes and pool:
+        joiners = tuple(pool[: limits.max_nodes - len(plan.members)])
+        return Decision(Action.START, f"scale-up: {', '.join(joiners)} join", members=plan.members + joiners,
+                        out=plan.out, restarts=plan.restarts, in_place_restarts=plan.in_place_restarts,
+                        kind="scale-up")
+    return Decision(Action.WAIT, f"generation {plan.gen} is running")
+
+
+def _rendezvous(cluster: Cluster, limits: Limits, clock: Clock) -> Decision:
+    eligible = _eligible(cluster)
+    regular = [n.name for n in eligible if not n.standby_hint]
+    if len(regular) >= limits.max_nodes:
+        members = tuple(regular[: limits.max_nodes])
+        return Decision(Action.START, f"{len(members)} nodes joined", members=members, kind="start")
+    waited = clock.now - clock.quorum_since if clock.quorum_since is not None else -1.0
+    if len(eligible) >= limits.min_nodes and waited >= limits.last_call:
+        members = tuple(n.name for n in eligible[: limits.max_nodes])
+        return Decision(Action.START, f"{len(members)} nodes joined", members=members, kind="start")
+    join_deadline = clock.rendezvous_since + limits.join_timeout
+    if clock.now >= join_deadline:
+        return Decision(Action.FINISH, f"rendezvous timed out after {limits.join_timeout:g} s: "
+                        f"{len(eligible)} of {limits.min_nodes} nodes joined", outcome="failed", kind="failed")
+    until = join_deadline
+    if clock.quorum_since is not None:
+        until = min(until, clock.quorum_since + limits.last_call)
+    return Decision(Action.WAIT, f"waiting for nodes: {len(eligible)} joined, {limits.min_nodes} needed",
+                    until=until)
+
+
+def _on_failure(cluster: Cluster, plan: Plan, limits: Limits, clock: Clock) -> Decision | None:
+    lost = _lost(cluster, plan)
+    failed = _failed(cluster, plan)
+    if not lost and not failed:
+        return None
+    killed = [m for m in failed if (_run(cluster, m).exitcode or 0) < 0]
+    if lost or killed:
+        culprits = lost + killed
+    else:
+        since = clock.failure_since if clock.failure_since is not None else clock.now
+        deadline = since + limits.failure_window
+        if len(failed) < len(plan.members) and clock.now < deadline:
+            return Decision(Action.WAIT, f"generation {plan.gen}: {_describe(cluster, failed[0])}; "
+                            "waiting for a clearer cause", until=deadline)
+        culprits = [min(failed, key=lambda m: cluster.nodes[m].report_revision)]
+    return _replace(cluster, plan, limits, clock, culprits, lost)
+
+
+def _replace(cluster: Cluster, plan: Plan, limits: Limits, clock: Clock,
+             culprits: list[str], lost: list[str]) -> Decision:
+    members = list(plan.members)
+    out = dict(plan.out)
+    pool = _pool(cluster, plan)
+    notes: list[str] = []
+    in_place: list[str] = []
+    for culprit in culprits:
+        cause = "lost" if culprit in lost else "failed"
+        what = f"{culprit} {'was lost' if cause == 'lost' else _describe(cluster, culprit)}"
+        if pool:
+            joiner = pool.pop(0)
+            members[members.index(culprit)] = joiner
+            out[culprit] = cause
+            notes.append(f"{what}; {joiner} takes its place")
+        elif len(members) - 1 >= limits.min_nodes:
+            members.remove(culprit)
+            out[culprit] = cause
+            notes.append(f"{what}; no standby, the job shrinks to {len(members)} nodes")
+        elif cause == "lost":
+            since = clock.failure_since if clock.failure_since is not None else clock.now
+            if clock.now >= since + limits.join_timeout:
+                return Decision(Action.FINISH, f"{what} and no node took its place within "
+                                f"{limits.join_timeout:g} s", outcome="failed", kind="failed")
+            return Decision(Action.WAIT, f"{what}; no standby left, waiting for a node to join",
+                            until=since + limits.join_timeout)
+        else:
+            in_place.append(culprit)
+            notes.append(f"{what}; no standby left, restarting in place")
+    in_place_restarts = plan.in_place_restarts + (1 if in_place else 0)
+    if in_place_restarts > limits.max_restarts:
+        return Decision(Action.FINISH, f"{'; '.join(notes).replace(', restarting in place', '')}"
+                        f" and --max-restarts {limits.max_restarts} is used up",
+                        outcome="failed", kind="failed")
+    return Decision(Action.START, "; ".join(notes), members=tuple(members), out=out,
+                    restarts=plan.restarts + 1, in_place_restarts=in_place_restarts, kind="failure")
+
+
+def _on_request(cluster: Cluster, plan: Plan, limits: Limits, request: Request) -> Decision:
+    node = request.node
+    if request.kind != "drain":
+        return _answer(request, "rejected", f"unknown request kind {request.kind!r}")
+    if node in plan.out:
+        return _answer(request, "done", f"{node} already left the job ({plan.out[node]})")
+    keep = dict(restarts=plan.restarts, in_place_restarts=plan.in_place_restarts)
+    if node in plan.members:
+        members = list(plan.members)
+        pool = _pool(cluster, plan)
+        if pool:
+            members[members.index(node)] = pool[0]
+            text = f"drain {node}: {pool[0]} takes its place"
+        elif len(members) - 1 >= limits.min_nodes:
+            members.remove(node)
+            text = f"drain {node}: no standby, the job shrinks to {len(members)} nodes"
+        else:
+            return _answer(request, "rejected", f"cannot drain {node}: no standby can take its place "
+                           f"and the job is at its minimum size ({limits.min_nodes} nodes)")
+        return Decision(Action.START, text, members=tuple(members), out={**plan.out, node: "drained"},
+                        answers=(Answer(request.id, "accepted", text),), kind="drain", **keep)
+    if node in cluster.nodes:
+        text = f"drain {node}: it was a standby and leaves the pool"
+        return Decision(Action.AMEND, text, members=plan.members, out={**plan.out, node: "drained"},
+                        answers=(Answer(request.id, "accepted", text),), kind="drain", **keep)
+    return _answer(request, "rejected", f"unknown node {node!r}")
+
+
+def _answer(request: Request, state: str, text: str) -> Decision:
+    return Decision(Action.ANSWER, text, answers=(Answer(request.id, state, text),), kind="request")
+
+
+def _eligible(cluster: Cluster) -> list[NodeView]:
+    out = cluster.plan.out if cluster.plan else {}
+    nodes = [n for n in cluster.nodes.values() if n.name not in out]
+    return sorted(nodes, key=lambda n: (n.standby_hint, n.order))
+
+
+def _pool(cluster: Cluster, plan: Plan) -> list[str]:
+    """Standbys in join order: alive, not training, not out."""
+    nodes = [n for n in cluster.nodes.values() if n.name not in plan.members and n.name not in plan.out]
+    return [n.name for n in sorted(nodes, key=lambda n: n.order)]
+
+
+def _run(cluster: Cluster, node: str) -> RunState:
+    view = cluster.nodes.get(node)
+    return view.run if view is not None else RunState()
+
+
+def _lost(cluster: Cluster, plan: Plan) -> list[str]:
+    return [m for m in plan.members if m not in cluster.nodes]
+
+
+def _failed(cluster: Cluster, plan: Plan) -> list[str]:
+    return [m for m in plan.members if _run(cluster, m).gen == plan.gen and _run(cluster, m).state == "failed"]
+
+
+def _describe(cluster: Cluster, node: str) -> str:
+    code = _run(cluster, node).exitcode
+    if code is not None and code < 0:
+        return f"worker killed by signal {-code}"
+    return f"worker exited with code {code}"

@@ -1,0 +1,105 @@
+"""The narrow key-value interface the agent needs from etcd.
+
+Everything outside ``etcd_store`` sees only this: get with revision, compare-and-set, leases and
+a prefix watch. Values are JSON objects (``dict``); keys are ``str``. Two implementations follow
+the same contract (``tests/test_store_contract.py`` runs against both):
+
+- :class:`agent.etcd_store.EtcdStore`, a real etcd through ``aetcd``;
+- :class:`agent.memory_store.MemoryStore`, in-process, for fast tests of pure logic.
+
+Errors are :class:`agent.errors.StoreError` and its subclasses, never the client's own.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import AsyncIterator, Literal
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One key as read from the store."""
+
+    key: str
+    value: dict
+    create_revision: int
+    mod_revision: int
+    lease: int = 0  # 0: not bound to a lease
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One change seen by a watch. ``value`` is None for deletes."""
+
+    kind: Literal["put", "delete"]
+    key: str
+    value: dict | None
+    revision: int
+
+
+class Watch(abc.ABC):
+    """A running prefix watch: iterate for events, ``cancel()`` to stop (iteration then ends)."""
+
+    @abc.abstractmethod
+    def __aiter__(self) -> AsyncIterator[Event]: ...
+
+    @abc.abstractmethod
+    async def cancel(self) -> None: ...
+
+
+class Store(abc.ABC):
+    """Compare-and-set key-value store with leases and watches (the etcd v3 model)."""
+
+    endpoint: str = ""
+
+    @abc.abstractmethod
+    async def get(self, key: str) -> Entry | None:
+        """The entry at ``key`` or None."""
+
+    @abc.abstractmethod
+    async def get_prefix(self, prefix: str) -> tuple[dict[str, Entry], int]:
+        """All entries under ``prefix`` and the store revision they were read at."""
+
+    @abc.abstractmethod
+    async def put(self, key: str, value: dict, *, lease: int = 0) -> int:
+        """Write unconditionally; returns the new revision."""
+
+    @abc.abstractmethod
+    async def create(self, key: str, value: dict, *, lease: int = 0) -> bool:
+        """Write only if ``key`` does not exist; True when written."""
+
+    @abc.abstractmethod
+    async def replace(self, key: str, value: dict, *, mod_revision: int, lease: int = 0) -> bool:
+        """Compare-and-set: write only if ``key``'s mod_revision equals ``mod_revision``.
+
+        ``mod_revision=0`` means "only if absent". True when written.
+        """
+
+    @abc.abstractmethod
+    async def delete(self, key: str) -> bool:
+        """Delete ``key``; True if it existed."""
+
+    @abc.abstractmethod
+    async def delete_prefix(self, prefix: str) -> int:
+        """Delete every key under ``prefix``; returns how many."""
+
+    @abc.abstractmethod
+    async def grant_lease(self, ttl: int) -> int:
+        """A new lease of ``ttl`` seconds; returns its id."""
+
+    @abc.abstractmethod
+    async def refresh_lease(self, lease: int) -> int:
+        """Keep ``lease`` alive; returns the remaining TTL, 0 when it has already expired."""
+
+    @abc.abstractmethod
+    async def revoke_lease(self, lease: int) -> None:
+        """Revoke ``lease``, deleting every key bound to it. Unknown leases are ignored."""
+
+    @abc.abstractmethod
+    async def watch_prefix(self, prefix: str, *, start_revision: int) -> Watch:
+        """Watch every change under ``prefix`` from ``start_revision`` (inclusive)."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release connections. Idempotent."""

@@ -1,0 +1,131 @@
+"""Supervision of one node's worker processes behind one interface: start, wait, stop.
+
+Each worker runs in its own session (its own process group, so that its children are stopped
+with it) with a parent-death signal: if the agent dies, the kernel kills the workers. Stopping
+sends SIGTERM to each group, waits ``grace`` seconds, then SIGKILLs what is left. Output goes
+through :class:`agent.output.OutputRouter` (prefixed console lines, log files).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import dataclasses
+import os
+import signal
+from typing import Mapping, Sequence
+
+from agent.output import OutputRouter
+
+_PR_SET_PDEATHSIG = 1
+try:
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux
+    _prctl = None
+
+
+def die_with_parent(sig: int = signal.SIGKILL):
+    """A ``preexec_fn`` that makes the child receive ``sig`` when its parent dies (Linux)."""
+    if _prctl is None:
+        return None
+
+    def _set() -> None:
+        _prctl(_PR_SET_PDEATHSIG, sig)
+
+    return _set
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerLaunch:
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    local_rank: int
+    rank: int
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupResult:
+    """How a worker group ended. ``exitcode`` < 0: killed by that signal."""
+
+    state: str  # succeeded | failed | stopped
+    exitcode: int | None = None
+    rank: int | None = None
+
+
+class WorkerGroup:
+    """The workers of one generation on this node."""
+
+    def __init__(self, launches: Sequence[WorkerLaunch], output: OutputRouter, grace: float) -> None:
+        self._launches = list(launches)
+        self._output = output
+        self._grace = grace
+        self._procs: list[asyncio.subprocess.Process] = []
+        self._pumps: list[asyncio.Task] = []
+        self._stopping = False
+        self.result: GroupResult | None = None
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        return tuple(p.pid for p in self._procs)
+
+    async def start(self) -> None:
+        for launch in self._launches:
+            proc = await asyncio.create_subprocess_exec(
+                *launch.argv, env=dict(launch.env), stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                start_new_session=True, preexec_fn=die_with_parent(),
+            )
+            self._procs.append(proc)
+            self._pumps += self._output.attach(proc, launch.local_rank, launch.rank)
+
+    async def wait(self) -> GroupResult:
+        """Wait until every worker exited, or one failed (then stop the rest)."""
+        pending = {asyncio.ensure_future(p.wait()): (p, l) for p, l in zip(self._procs, self._launches)}
+        failure: GroupResult | None = None
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                proc, launch = pending.pop(task)
+                code = task.result()
+                if code != 0 and failure is None and not self._stopping:
+                    failure = GroupResult("failed", code, launch.rank)
+            if failure is not None and pending:
+                await self.stop()
+                await asyncio.gather(*pending)
+                pending.clear()
+        await asyncio.gather(*self._pumps, return_exceptions=True)
+        if failure is not None:
+            self.result = failure
+        elif self._stopping:
+            self.result = GroupResult("stopped")
+        else:
+            self.result = GroupResult("succeeded", 0)
+        return self.result
+
+    async def stop(self) -> None:
+        """SIGTERM every worker's process group, then SIGKILL after the grace period."""
+        self._stopping = True
+        alive = [p for p in self._procs if p.returncode is None]
+        _signal_groups(alive, signal.SIGTERM)
+        if not alive:
+            return
+        try:
+            await asyncio.wait_for(asyncio.gather(*(p.wait() for p in alive)), self._grace)
+        except asyncio.TimeoutError:
+            _signal_groups([p for p in alive if p.returncode is None], signal.SIGKILL)
+            await asyncio.gather(*(p.wait() for p in alive))
+
+    def kill_now(self) -> None:
+        """SIGKILL everything at once (fencing: the lease is gone, no grace)."""
+        self._stopping = True
+        _signal_groups([p for p in self._procs if p.returncode is None], signal.SIGKILL)
+
+
+def _signal_groups(procs: Sequence[asyncio.subprocess.Process], sig: int) -> None:
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            proc.send_signal(sig)

@@ -1,0 +1,157 @@
+"""What ``tmrun status``, ``drain`` and ``events`` do, over the narrow store interface.
+
+The functions here read and write the job's keys; the CLI turns their results into tables or
+JSON (:mod:`tmrun.console`). ``status`` builds a stable, versioned JSON document that scripts can
+rely on (documented in docs/cli.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any, Callable
+
+from agent.changes import Changes
+from agent.errors import RequestRejected, TmrunError, UnknownNode
+from agent.keys import JobKeys
+from agent.records import EventRecord, NodeRecord, Outcome, Plan, RecordError, Request
+from agent.store import Store
+
+STATUS_SCHEMA = 1
+
+
+async def status(store: Store, job: str) -> dict[str, Any]:
+    """The job as a JSON-able document: generation, leader, and one row per node."""
+    keys = JobKeys(job)
+    entries, _ = await store.get_prefix(keys.root)
+    plan = Plan.from_dict(entries[keys.plan].value) if keys.plan in entries else None
+    outcome = Outcome.from_dict(entries[keys.outcome].value) if keys.outcome in entries else None
+    leader = entries.get(keys.leader)
+    alive: dict[str, NodeRecord] = {}
+    for key, entry in entries.items():
+        if keys.relative(key).startswith("nodes/"):
+            try:
+                rec = NodeRecord.from_dict(entry.value)
+                alive[rec.node] = rec
+            except RecordError:
+                continue
+    names = list(plan.members) if plan else []
+    names += sorted(n for n in alive if n not in names)
+    names += sorted(n for n in (plan.out if plan else {}) if n not in names)
+    nodes = [_node_row(name, alive.get(name), plan) for name in names]
+    state = outcome.state if outcome else ("running" if plan else "starting")
+    return {
+        "v": STATUS_SCHEMA,
+        "job": job,
+        "endpoint": store.endpoint,
+        "state": state,
+        "outcome": outcome.to_dict() if outcome else None,
+        "leader": leader.value.get("node") if leader else None,
+        "generation": plan.gen if plan else 0,
+        "world_size": plan.world_size if plan else 0,
+        "restarts": plan.restarts if plan else 0,
+        "in_place_restarts": plan.in_place_restarts if plan else 0,
+        "standby_pool": sum(1 for row in nodes if row["role"] == "standby"),
+        "nodes": nodes,
+    }
+
+
+def _node_row(name: str, rec: NodeRecord | None, plan: Plan | None) -> dict[str, Any]:
+    run = rec.run_state if rec else None
+    if plan is not None and name in plan.out:
+        reason = plan.out[name]
+        role = "draining" if reason == "drained" and rec is not None else reason
+    elif plan is not None and name in plan.members:
+        role = "active" if rec is not None else "lost"
+    elif rec is not None:
+        role = "standby" if plan is not None else "joining"
+    else:
+        role = "left"
+    ranks: list[int] = []
+    if plan is not None and name in plan.members:
+        start = plan.rank_offset(name)
+        ranks = list(range(start, start + plan.slots[name]))
+    return {
+        "node": name,
+        "role": role,
+        "host": rec.host if rec else None,
+        "agent_pid": rec.pid if rec else None,
+        "slots": rec.slots if rec else (plan.slots.get(name) if plan else None),
+        "ranks": ranks,
+        "generation": run.gen if run else None,
+        "state": run.state if run else "gone",
+        "exitcode": run.exitcode if run else None,
+        "worker_pids": list(run.worker_pids) if run else [],
+    }
+
+
+async def events(store: Store, job: str) -> list[dict[str, Any]]:
+    keys = JobKeys(job)
+    entries, _ = await store.get_prefix(keys.events)
+    rows = []
+    for key in sorted(entries):
+        try:
+            rows.append(EventRecord.from_dict(entries[key].value).to_dict())
+        except RecordError:
+            continue
+    return rows
+
+
+async def known_nodes(store: Store, job: str) -> tuple[set[str], Plan | None]:
+    keys = JobKeys(job)
+    entries, _ = await store.get_prefix(keys.root)
+    plan = Plan.from_dict(entries[keys.plan].value) if keys.plan in entries else None
+    names = {keys.relative(k)[len("nodes/"):] for k in entries if keys.relative(k).startswith("nodes/")}
+    if plan is not None:
+        names |= set(plan.members) | set(plan.out)
+    return names, plan
+
+
+async def drain(store: Store, job: str, node: str, *, wait: bool, timeout: float,
+                progress: Callable[[str], None]) -> str:
+    """Ask the leader to drain ``node``; with ``wait``, return once the node has left."""
+    keys = JobKeys(job)
+    names, _ = await known_nodes(store, job)
+    if node not in names:
+        listed = ", ".join(sorted(names)) or "none"
+        raise UnknownNode(f"unknown node {node!r} in job {job} (nodes: {listed})")
+    if await store.get(keys.outcome) is not None:
+        raise TmrunError(f"job {job} has already ended")
+    _, revision = await store.get_prefix(keys.root)
+    changes = Changes(store, keys.root)
+    await changes.start(revision + 1)
+    request = Request(uuid.uuid4().hex[:12], "drain", node, time.time())
+    try:
+        await store.put(keys.request(request.id), request.to_dict())
+        progress(f"drain {node}: requested (request {request.id})")
+        deadline = time.monotonic() + timeout
+        answered: Request | None = None
+        while True:
+            seen = changes.version
+            entry = await store.get(keys.request(request.id))
+            current = Request.from_dict(entry.value) if entry else request
+            if answered is None and current.state != "pending":
+                answered = current
+                if current.state == "rejected":
+                    raise RequestRejected(current.answer)
+                progress(current.answer)
+                if not wait or current.state == "done":
+                    return current.answer
+            if answered is not None and await store.get(keys.node(node)) is None:
+                progress(f"{node} has left the job")
+                return answered.answer
+            if await store.get(keys.outcome) is not None and answered is None:
+                raise TmrunError(f"job {job} ended before the drain was answered")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                what = "answered" if answered is None else "done"
+                raise TmrunError(f"drain {node}: not {what} after {timeout:g} s")
+            await changes.wait(seen, left)
+    finally:
+        await changes.close()
+
+
+def run(coro):
+    """Run one admin coroutine to completion (the CLI is synchronous)."""
+    return asyncio.run(coro)

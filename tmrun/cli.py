@@ -1,0 +1,377 @@
+"""The ``tmrun`` command: a thin typer layer that reads flags and environment, builds frozen
+configs and hands them to the launcher or the admin functions.
+
+``tmrun [torchrun flags] script.py [args]`` launches (the default command); ``tmrun status``,
+``tmrun drain NODE`` and ``tmrun events`` talk to a running job. The first word picks the
+subcommand only when it is exactly a subcommand's name, so ``tmrun ./status`` still launches a
+script called ``status``. Environment variables are read here and nowhere else. Exit codes are
+listed in docs/cli.md and in :data:`EXIT_CODES`.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.util
+import os
+import re
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from agent.config import AgentConfig, WorkerSpec, parse_nnodes, parse_rdzv_conf, timeouts_from_conf, KNOWN_RDZV_CONF
+from agent.errors import ConfigError, TmrunError
+from agent.output import parse_std_spec
+from agent.slurm import default_endpoint, detect_slurm
+from tmrun import console
+from tmrun.jobs import JobRef, find_job, runtime_dir
+
+EXIT_CODES = {
+    0: "success (the job succeeded; a drain completed)",
+    1: "the job failed (a worker failed beyond the standby pool and --max-restarts, or rendezvous timed out)",
+    2: "usage error: unknown or malformed flag, missing script, inconsistent values",
+    3: "etcd is unreachable (after bounded retries)",
+    4: "unknown node",
+    5: "no running job found, or several and none chosen with --job",
+    6: "the leader rejected the request (for example: nobody can take the drained node's place)",
+    7: "this agent lost its etcd lease and stopped its workers",
+    130: "interrupted (SIGINT)",
+    143: "terminated (SIGTERM)",
+}
+SUBCOMMANDS = ("status", "drain", "events")
+
+LAUNCH = "Launch"
+RDZV = "Rendezvous (etcd)"
+LOGS = "Logs"
+TORCHRUN = "Accepted for torchrun compatibility"
+
+launch_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
+                         context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]})
+admin_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
+                        context_settings={"help_option_names": ["-h", "--help"]})
+
+# flag -> why it does nothing (yet); warned about when set to a non-default value.
+NO_EFFECT = {
+    "start_method": "workers are always started as new processes",
+    "event_log_handler": "events go to etcd and `tmrun events`",
+    "run_path": "the script runs in a new interpreter as with a plain launch",
+    "logs_specs": "use --log-dir, --redirects and --tee",
+    "numa_binding": "NUMA binding is not implemented",
+    "signals_to_handle": "SIGTERM, SIGINT, SIGHUP and SIGQUIT are always forwarded",
+    "duplicate_stdout_filters": "not implemented",
+    "duplicate_stderr_filters": "not implemented",
+    "virtual_local_rank": "not implemented",
+    "node_rank": "node ranks come from the order in which nodes join",
+    "master_addr": "the leader agent hosts the store; MASTER_ADDR is set for workers",
+    "master_port": "the leader agent hosts the store; MASTER_PORT is set for workers",
+    "monitor_interval": "worker exits are seen at once",
+}
+
+
+class Backend(str, enum.Enum):
+    etcd = "etcd"
+    etcd_v2 = "etcd-v2"
+    c10d = "c10d"
+    static = "static"
+
+
+def _opt(*names: str, env: str | None = None, panel: str = LAUNCH, help: str = "", **kw):
+    return typer.Option(*names, envvar=env, rich_help_panel=panel, help=help, show_envvar=bool(env), **kw)
+
+
+@launch_app.command(help="Launch SCRIPT on every node, with standby nodes ready to take over. "
+                    "Subcommands: tmrun status | drain NODE | events (see tmrun status --help).")
+def launch(
+    ctx: typer.Context,
+    script: Annotated[str, typer.Argument(help="Training script, module (-m) or executable (--no-python).")],
+    script_args: Annotated[Optional[list[str]], typer.Argument(help="Arguments for the script.")] = None,
+    nnodes: Annotated[str, _opt("--nnodes", env="PET_NNODES", help="Nodes: N or MIN:MAX.")] = "1:1",
+    nproc_per_node: Annotated[str, _opt("--nproc-per-node", "--nproc_per_node", env="PET_NPROC_PER_NODE",
+                                        help="Workers per node: an integer, auto, cpu or gpu.")] = "1",
+    standby: Annotated[int, _opt("--standby", env="TMRUN_STANDBY", help="Standby nodes kept ready (local cluster: "
+                                 "started on this machine).", min=0)] = 0,
+    node_name: Annotated[Optional[str], _opt("--node-name", env="TMRUN_NODE_NAME",
+                                             help="This node's name in the job (default: hostname).")] = None,
+    max_restarts: Annotated[int, _opt("--max-restarts", "--max_restarts", env="PET_MAX_RESTARTS",
+                                      help="In-place restarts allowed for the whole job once no standby is left.",
+                                      min=0)] = 0,
+    role: Annotated[str, _opt("--role", env="PET_ROLE", help="Worker role name (ROLE_NAME).")] = "default",
+    module: Annotated[bool, _opt("-m", "--module", env="PET_MODULE", help="Run SCRIPT as a module (python -m).")] = False,
+    no_python: Annotated[bool, _opt("--no-python", "--no_python", env="PET_NO_PYTHON",
+                                    help="Run SCRIPT directly, not with python.")] = False,
+    standalone: Annotated[bool, _opt("--standalone", env="PET_STANDALONE", panel=RDZV,
+                                     help="Single-machine job: local cluster with an embedded etcd.")] = False,
+    rdzv_backend: Annotated[Backend, _opt("--rdzv-backend", "--rdzv_backend", env="PET_RDZV_BACKEND", panel=RDZV,
+                                          help="tmrun always uses etcd.")] = Backend.etcd,
+    rdzv_endpoint: Annotated[str, _opt("--rdzv-endpoint", "--rdzv_endpoint", env="PET_RDZV_ENDPOINT", panel=RDZV,
+                                       help="etcd://host:port[,host:port]; none: local cluster or SLURM.")] = "",
+    rdzv_id: Annotated[str, _opt("--rdzv-id", "--rdzv_id", env="PET_RDZV_ID", panel=RDZV,
+                                 help="Job id (default: SLURM job id, or generated).")] = "none",
+    rdzv_conf: Annotated[str, _opt("--rdzv-conf", "--rdzv_conf", env="PET_RDZV_CONF", panel=RDZV,
+                                   help="key=value,...: join_timeout, last_call_timeout, lease_ttl, "
+                                   "failure_window, close_timeout, store_timeout.")] = "",
+    local_addr: Annotated[Optional[str], _opt("--local-addr", "--local_addr", env="PET_LOCAL_ADDR", panel=RDZV,
+                                              help="Address other nodes use to reach this one.")] = None,
+    etcd_cacert: Annotated[Optional[str], _opt("--etcd-cacert", env="TMRUN_ETCD_CACERT", panel=RDZV)] = None,
+    etcd_cert: Annotated[Optional[str], _opt("--etcd-cert", env="TMRUN_ETCD_CERT", panel=RDZV)] = None,
+    etcd_key: Annotated[Optional[str], _opt("--etcd-key", env="TMRUN_ETCD_KEY", panel=RDZV)] = None,
+    log_dir: Annotated[Optional[str], _opt("--log-dir", "--log_dir", env="PET_LOG_DIR", panel=LOGS,
+                                           help="Directory for worker logs and error files.")] = None,
+    redirects: Annotated[str, _opt("-r", "--redirects", env="PET_REDIRECTS", panel=LOGS,
+                                   help="Send std streams to files only: 1 out, 2 err, 3 both; or 0:3,1:1.")] = "0",
+    tee: Annotated[str, _opt("-t", "--tee", env="PET_TEE", panel=LOGS, help="Files and console (as --redirects).")] = "0",
+    local_ranks_filter: Annotated[str, _opt("--local-ranks-filter", "--local_ranks_filter",
+                                            env="PET_LOCAL_RANKS_FILTER", panel=LOGS,
+                                            help="Only these local ranks reach the console, e.g. 0,1.")] = "",
+    shutdown_timeout: Annotated[Optional[float], _opt("--shutdown-timeout", "--shutdown_timeout",
+                                                      env="PET_SHUTDOWN_TIMEOUT",
+                                                      help="Seconds from SIGTERM to SIGKILL for workers.")] = None,
+    monitor_interval: Annotated[float, _opt("--monitor-interval", "--monitor_interval", env="PET_MONITOR_INTERVAL",
+                                            panel=TORCHRUN)] = 0.1,
+    start_method: Annotated[str, _opt("--start-method", "--start_method", env="PET_START_METHOD",
+                                      panel=TORCHRUN)] = "spawn",
+    event_log_handler: Annotated[str, _opt("--event-log-handler", "--event_log_handler",
+                                           env="PET_EVENT_LOG_HANDLER", panel=TORCHRUN)] = "null",
+    run_path: Annotated[bool, _opt("--run-path", "--run_path", env="PET_RUN_PATH", panel=TORCHRUN)] = False,
+    logs_specs: Annotated[Optional[str], _opt("--logs-specs", "--logs_specs", env="PET_LOGS_SPECS",
+                                              panel=TORCHRUN)] = None,
+    numa_binding: Annotated[Optional[str], _opt("--numa-binding", "--numa_binding", env="PET_NUMA_BINDING",
+                                                panel=TORCHRUN)] = None,
+    signals_to_handle: Annotated[str, _opt("--signals-to-handle", "--signals_to_handle",
+                                           env="PET_SIGNALS_TO_HANDLE", panel=TORCHRUN)] = "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+    duplicate_stdout_filters: Annotated[str, _opt("--duplicate-stdout-filters", "--duplicate_stdout_filters",
+                                                  env="PET_DUPLICATE_STDOUT_FILTERS", panel=TORCHRUN)] = "",
+    duplicate_stderr_filters: Annotated[str, _opt("--duplicate-stderr-filters", "--duplicate_stderr_filters",
+                                                  env="PET_DUPLICATE_STDERR_FILTERS", panel=TORCHRUN)] = "",
+    virtual_local_rank: Annotated[bool, _opt("--virtual-local-rank", "--virtual_local_rank",
+                                             env="PET_VIRTUAL_LOCAL_RANK", panel=TORCHRUN)] = False,
+    node_rank: Annotated[int, _opt("--node-rank", "--node_rank", env="PET_NODE_RANK", panel=TORCHRUN)] = 0,
+    master_addr: Annotated[str, _opt("--master-addr", "--master_addr", env="PET_MASTER_ADDR",
+                                     panel=TORCHRUN)] = "127.0.0.1",
+    master_port: Annotated[int, _opt("--master-port", "--master_port", env="PET_MASTER_PORT", panel=TORCHRUN)] = 29500,
+) -> int:
+    for name, why in NO_EFFECT.items():
+        if _set_by_user(ctx, name):
+            console.warning(f"--{name.replace('_', '-')} has no effect in tmrun: {why}")
+    if _set_by_user(ctx, "rdzv_backend") and rdzv_backend is not Backend.etcd:
+        console.warning(f"--rdzv-backend {rdzv_backend.value}: tmrun always uses etcd for rendezvous")
+    if module and no_python:
+        raise ConfigError("--module and --no-python cannot be used together")
+    min_nodes, max_nodes = parse_nnodes(nnodes)
+    nproc = _nproc(nproc_per_node)
+    conf = parse_rdzv_conf(rdzv_conf)
+    for key in sorted(set(conf) - KNOWN_RDZV_CONF):
+        console.warning(f"--rdzv-conf {key}: unknown key, ignored")
+    timeouts = timeouts_from_conf(conf, shutdown_timeout)
+    parse_std_spec(redirects, "--redirects")
+    parse_std_spec(tee, "--tee")
+    worker = WorkerSpec(_worker_argv(script, script_args or [], module, no_python), nproc, role, log_dir,
+                        redirects, tee, _ranks_filter(local_ranks_filter), max_restarts)
+    slurm = None if standalone else detect_slurm(os.environ)
+    common = dict(min_nodes=min_nodes, max_nodes=max_nodes, timeouts=timeouts, worker=worker,
+                  monitor_interval=monitor_interval, tls_cacert=etcd_cacert, tls_cert=etcd_cert, tls_key=etcd_key)
+    if standalone and rdzv_endpoint:
+        console.warning("--standalone: ignoring --rdzv-endpoint, starting a local cluster")
+    if standalone or (not rdzv_endpoint and slurm is None):
+        return _launch_local(rdzv_id, standby, common)
+    return _launch_node(rdzv_id, rdzv_endpoint, node_name, local_addr, standby, slurm, common)
+
+
+def _set_by_user(ctx: typer.Context, name: str) -> bool:
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name != "DEFAULT"
+
+
+def _launch_local(rdzv_id: str, standby: int, common: dict) -> int:
+    from tmrun.launch import run_local_cluster
+
+    job = rdzv_id if rdzv_id != "none" else f"local-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    _check_job_id(job)
+    total = common["max_nodes"] + standby
+    configs = [AgentConfig(job_id=job, node=f"node-{i}", host="127.0.0.1", endpoint="",
+                           standby_hint=i >= common["max_nodes"], **common) for i in range(total)]
+    return run_local_cluster(configs, runtime_dir(os.environ), console.info)
+
+
+def _launch_node(rdzv_id: str, endpoint: str, node_name: str | None, local_addr: str | None, standby: int,
+                 slurm, common: dict) -> int:
+    from agent.etcd_server import EmbeddedEtcd
+    from tmrun.launch import run_node
+
+    etcd = None
+    if slurm is not None:
+        job = rdzv_id if rdzv_id != "none" else f"slurm-{slurm.job_id}"
+        name = node_name or slurm.this_host
+        host = local_addr or slurm.this_host
+        hint = slurm.node_id >= common["max_nodes"]
+        if not endpoint:
+            endpoint = default_endpoint(slurm)
+            if slurm.node_id == 0:
+                port = int(endpoint.rsplit(":", 1)[1])
+                data = Path(os.environ.get("TMPDIR", "/tmp")) / f"tmrun-{job}-etcd"
+                etcd = EmbeddedEtcd(data, host=slurm.first_host, client_port=port)
+                etcd.start()
+    else:
+        job = rdzv_id if rdzv_id != "none" else "default"
+        name = node_name or socket.gethostname()
+        host = local_addr or socket.getfqdn()
+        hint = False
+    if standby and slurm is None:
+        console.warning("--standby counts nodes only in a local cluster or under SLURM; "
+                        "with an endpoint, every node beyond --nnodes is a standby")
+    _check_job_id(job)
+    cfg = AgentConfig(job_id=job, node=name, host=host, endpoint=endpoint, standby_hint=hint,
+                      hosts_store=etcd is not None, **common)
+    from agent.__main__ import setup_logging
+
+    setup_logging(name)
+    return run_node(cfg, etcd, console.info)
+
+
+def _check_job_id(job: str) -> None:
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", job):
+        raise ConfigError(f"--rdzv-id {job!r}: use letters, digits, '.', '_' and '-'")
+
+
+def _nproc(text: str) -> int:
+    if text.isdigit():
+        return int(text)
+    if text in ("auto", "gpu", "cpu"):
+        if text == "cpu":
+            return os.cpu_count() or 1
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.device_count()
+        if text == "gpu":
+            raise ConfigError("--nproc-per-node gpu: no CUDA device is available")
+        return os.cpu_count() or 1
+    raise ConfigError(f"--nproc-per-node {text!r}: expected an integer, auto, cpu or gpu")
+
+
+def _ranks_filter(text: str) -> tuple[int, ...]:
+    if not text.strip():
+        return ()
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--local-ranks-filter {text!r}: expected a comma-separated list of integers") from None
+
+
+def _worker_argv(script: str, args: list[str], module: bool, no_python: bool) -> tuple[str, ...]:
+    if module:
+        top = script.split(".")[0]
+        if not top or importlib.util.find_spec(top) is None:
+            raise ConfigError(f"module {script!r} not found")
+        return (sys.executable, "-u", "-m", script, *args)
+    if no_python:
+        if shutil.which(script) is None:
+            raise ConfigError(f"executable {script!r} not found")
+        return (script, *args)
+    if not Path(script).is_file():
+        raise ConfigError(f"script {script!r} not found")
+    return (sys.executable, "-u", script, *args)
+
+
+# ----------------------------------------------------------------------------- admin commands
+
+JobOpt = Annotated[Optional[str], typer.Option("--job", "--rdzv-id", envvar="TMRUN_JOB",
+                                               help="Job id, when several run or with --rdzv-endpoint.")]
+EndpointOpt = Annotated[Optional[str], typer.Option("--rdzv-endpoint", envvar="TMRUN_ENDPOINT",
+                                                    help="etcd endpoint of the job (default: local runtime file, "
+                                                    "or the SLURM allocation's).")]
+TimeoutOpt = Annotated[float, typer.Option("--store-timeout", help="Seconds to retry etcd before giving up.")]
+
+
+def _job_ref(job: str | None, endpoint: str | None) -> JobRef:
+    if endpoint:
+        return JobRef(job or "default", endpoint)
+    slurm = detect_slurm(os.environ)
+    if slurm is not None and job is None:
+        return JobRef(f"slurm-{slurm.job_id}", default_endpoint(slurm))
+    return find_job(runtime_dir(os.environ), job)
+
+
+def _admin(ref: JobRef, store_timeout: float, work):
+    from agent.etcd_store import EtcdStore, parse_endpoint
+    from tmrun.admin import run
+
+    async def go():
+        store = EtcdStore(parse_endpoint(ref.endpoint), retry_deadline=store_timeout)
+        try:
+            return await work(store)
+        finally:
+            await store.close()
+
+    return run(go())
+
+
+@admin_app.command("status", help="Show the job's nodes, roles, generation and restarts.")
+def status_cmd(job: JobOpt = None, endpoint: EndpointOpt = None,
+               as_json: Annotated[bool, typer.Option("--json", help="Stable JSON for scripts.")] = False,
+               store_timeout: TimeoutOpt = 10.0) -> int:
+    from tmrun import admin
+
+    ref = _job_ref(job, endpoint)
+    doc = _admin(ref, store_timeout, lambda store: admin.status(store, ref.job))
+    console.print_json(doc) if as_json else console.print_status(doc)
+    return 0
+
+
+@admin_app.command("drain", help="Take NODE out of the job: a standby takes its place. Waits until it has left.")
+def drain_cmd(node: Annotated[str, typer.Argument(help="Node name, as in tmrun status.")],
+              job: JobOpt = None, endpoint: EndpointOpt = None,
+              no_wait: Annotated[bool, typer.Option("--no-wait", help="Return once the leader accepted.")] = False,
+              timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for the node to leave.")] = 600.0,
+              store_timeout: TimeoutOpt = 10.0) -> int:
+    from tmrun import admin
+
+    ref = _job_ref(job, endpoint)
+    _admin(ref, store_timeout, lambda store: admin.drain(store, ref.job, node, wait=not no_wait, timeout=timeout,
+                                                         progress=console.info))
+    return 0
+
+
+@admin_app.command("events", help="Show the job's history: generations, failures, drains.")
+def events_cmd(job: JobOpt = None, endpoint: EndpointOpt = None,
+               as_json: Annotated[bool, typer.Option("--json", help="JSON for scripts.")] = False,
+               store_timeout: TimeoutOpt = 10.0) -> int:
+    from tmrun import admin
+
+    ref = _job_ref(job, endpoint)
+    rows = _admin(ref, store_timeout, lambda store: admin.events(store, ref.job))
+    console.print_json(rows) if as_json else console.print_events(rows)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``tmrun`` console script; returns (and exits with) the exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    is_admin = bool(args) and args[0] in SUBCOMMANDS
+    app = admin_app if is_admin else launch_app
+    command = typer.main.get_command(app)
+    try:
+        code = command.main(args=args, prog_name="tmrun", standalone_mode=False)
+    except typer.Abort:
+        code = 130
+    except typer.Exit as exc:
+        code = exc.exit_code
+    except typer.TyperException as exc:  # typer's (vendored click) usage errors
+        if type(exc).__name__ == "NoArgsIsHelpError" and getattr(exc, "ctx", None) is not None:
+            print(exc.ctx.get_help(), file=sys.stderr)
+        else:
+            console.error(exc.format_message().replace("\n", " "))
+        code = 2
+    except TmrunError as exc:
+        console.error(str(exc))
+        code = exc.exit_code
+    except KeyboardInterrupt:
+        code = 130
+    code = 0 if code is None else int(code)
+    if argv is None:
+        sys.exit(code)
+    return code

@@ -1,0 +1,151 @@
+"""Running a job: a local cluster on this machine, or this node's agent in a multi-node job.
+
+- Local cluster (no endpoint, not under SLURM): start an embedded etcd on a free loopback port,
+  write the runtime file, start ``max_nodes + standby`` agent processes ``node-0`` … and wait for
+  them. Ctrl-C or SIGTERM stops everything; agents, workers and etcd never outlive this process.
+- Node mode (an endpoint, or SLURM): run this node's agent in this process. Under SLURM with no
+  endpoint, the allocation's first node also hosts an embedded etcd for the job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+from agent.config import AgentConfig
+from agent.errors import StoreError
+from agent.etcd_server import EmbeddedEtcd
+from agent.keys import JobKeys
+from agent.node import make_store, run_agent
+from agent.records import Outcome
+from agent.workers import die_with_parent
+from tmrun.jobs import write_runtime_file
+
+log = logging.getLogger("tmrun.launch")
+
+EXIT_FAILED = 1
+
+
+async def _read_outcome(cfg: AgentConfig) -> Outcome | None:
+    store = make_store(dataclasses.replace(cfg, timeouts=dataclasses.replace(cfg.timeouts, store_retry=2.0)))
+    try:
+        entry = await store.get(JobKeys(cfg.job_id).outcome)
+        return Outcome.from_dict(entry.value) if entry else None
+    except StoreError:
+        return None
+    finally:
+        await store.close()
+
+
+async def _supervise_agents(configs: list[AgentConfig], grace: float) -> tuple[list[int], int]:
+    """Start one agent process per config; wait for all. Returns their exit codes and the signal."""
+    procs = []
+    for cfg in configs:
+        procs.append(await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "agent", "--config", cfg.to_json(),
+            stdin=asyncio.subprocess.DEVNULL, preexec_fn=die_with_parent(signal.SIGTERM)))
+    received: list[int] = []
+    loop = asyncio.get_running_loop()
+
+    def forward(sig: int) -> None:
+        received.append(sig)
+        for proc in procs:
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, forward, sig)
+    try:
+        waits = [asyncio.ensure_future(p.wait()) for p in procs]
+        while not all(w.done() for w in waits):
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if received:
+                try:
+                    await asyncio.wait_for(asyncio.gather(*waits), grace + 5)
+                except asyncio.TimeoutError:
+                    for proc in procs:
+                        if proc.returncode is None:
+                            proc.kill()
+                    await asyncio.gather(*waits)
+        return [p.returncode for p in procs], (received[0] if received else 0)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+def run_local_cluster(configs: list[AgentConfig], runtime: Path, report: Callable[[str], None]) -> int:
+    """Run a whole job on this machine; returns the job's exit code."""
+    job = configs[0].job_id
+    with tempfile.TemporaryDirectory(prefix=f"tmrun-{job}-etcd-") as data_dir:
+        etcd = EmbeddedEtcd(Path(data_dir))
+        etcd.start()
+        try:
+            endpoint = etcd.endpoint
+            configs = [dataclasses.replace(c, endpoint=endpoint) for c in configs]
+            runtime_file = write_runtime_file(runtime, job, endpoint, os.getpid(), time.time())
+            report(f"job {job}: {len(configs)} agents, etcd at {endpoint}")
+            try:
+                codes, sig = asyncio.run(_supervise_agents(configs, configs[0].timeouts.stop_grace))
+                outcome = asyncio.run(_read_outcome(configs[0]))
+            finally:
+                runtime_file.unlink(missing_ok=True)
+        finally:
+            etcd.stop()
+    return _exit_code(job, outcome, sig, codes, report)
+
+
+def _exit_code(job: str, outcome: Outcome | None, sig: int, codes: list[int],
+               report: Callable[[str], None]) -> int:
+    if outcome is not None and outcome.state == "succeeded":
+        report(f"job {job} succeeded: {outcome.reason}")
+        return 0
+    if outcome is not None:
+        report(f"job {job} failed: {outcome.reason}")
+        return EXIT_FAILED
+    if sig:
+        report(f"job {job} stopped by {signal.Signals(sig).name}")
+        return 128 + sig
+    report(f"job {job} ended without an outcome (agent exit codes {codes})")
+    return EXIT_FAILED
+
+
+def run_node(cfg: AgentConfig, etcd: EmbeddedEtcd | None, report: Callable[[str], None]) -> int:
+    """Run this node's agent in-process (multi-node jobs); host etcd when given one."""
+    try:
+        code = asyncio.run(run_agent(cfg))
+        if etcd is not None:
+            asyncio.run(_wait_for_others(cfg))
+        return code
+    finally:
+        if etcd is not None:
+            etcd.stop()
+
+
+async def _wait_for_others(cfg: AgentConfig, limit: float = 30.0) -> None:
+    """The etcd host stays up until every other agent has left (bounded), so they see the end."""
+    from agent.changes import Changes
+
+    store = make_store(cfg)
+    keys = JobKeys(cfg.job_id)
+    try:
+        entries, revision = await store.get_prefix(keys.nodes)
+        changes = Changes(store, keys.nodes)
+        await changes.start(revision + 1)
+        deadline = time.monotonic() + limit
+        while entries and time.monotonic() < deadline:
+            seen = changes.version
+            await changes.wait(seen, deadline - time.monotonic())
+            entries, _ = await store.get_prefix(keys.nodes)
+        await changes.close()
+    except StoreError:
+        pass
+    finally:
+        await store.close()
