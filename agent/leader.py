@@ -9,6 +9,7 @@ deadline. The leader hosts the torch TCPStore of each generation it starts.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
 import logging
@@ -128,7 +129,7 @@ class Leader:
             await self._event(decision, gen)
         elif decision.action in (Action.START, Action.AMEND):
             if decision.action is Action.START:
-                gen, host, port = gen + 1, self._cfg.host, self._new_tcp_store()
+                gen, host, port = gen + 1, self._cfg.host, await self._new_tcp_store()
             else:
                 assert plan is not None
                 host, port = plan.store_host, plan.store_port
@@ -156,10 +157,18 @@ class Leader:
                              {"members": list(decision.members), "out": dict(decision.out)})
         await self._store.put(self._keys.event(time.time_ns()), record.to_dict())
 
-    def _new_tcp_store(self) -> int:
-        """Host a fresh TCPStore for the new generation; keep the last few alive."""
-        from torch.distributed import TCPStore  # only the leader pays for importing torch
+    async def _new_tcp_store(self) -> int:
+        """Host a fresh TCPStore for the new generation; keep the last few alive.
 
-        store = TCPStore(self._cfg.host, 0, is_master=True, wait_for_workers=False)
+        Importing torch takes seconds: it runs in a thread so that the event loop keeps the lease
+        alive meanwhile. Only the leader pays for it.
+        """
+        store = await asyncio.to_thread(_tcp_store_server, self._cfg.host)
         self._tcp_stores.append(store)
         return store.port
+
+
+def _tcp_store_server(host: str):
+    from torch.distributed import TCPStore
+
+    return TCPStore(host, 0, is_master=True, wait_for_workers=False)

@@ -217,6 +217,8 @@ class NodeAgent:
 
 
 def make_store(cfg: AgentConfig) -> Store:
+    # The agent forks workers while gRPC threads run; gRPC's fork handlers only add noise there.
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
     from agent.etcd_store import EtcdStore, TlsOptions, parse_endpoint
 
     tls = None

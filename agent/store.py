@@ -49,7 +49,11 @@ class Watch(abc.ABC):
 
 
 class Store(abc.ABC):
-    """Compare-and-set key-value store with leases and watches (the etcd v3 model)."""
+    """Compare-and-set key-value store with leases and watches (the etcd v3 model).
+
+    A store belongs to the event loop that first uses it. Operations after ``close()`` raise
+    StoreError. Values must be JSON objects (TypeError otherwise) and come back as fresh dicts.
+    """
 
     endpoint: str = ""
 
@@ -59,7 +63,11 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def get_prefix(self, prefix: str) -> tuple[dict[str, Entry], int]:
-        """All entries under ``prefix`` and the store revision they were read at."""
+        """All entries under ``prefix`` and the store revision they were read at.
+
+        Prefixes (here, in ``delete_prefix`` and in ``watch_prefix``) must not be empty:
+        ValueError otherwise.
+        """
 
     @abc.abstractmethod
     async def put(self, key: str, value: dict, *, lease: int = 0) -> int:
@@ -98,7 +106,13 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def watch_prefix(self, prefix: str, *, start_revision: int) -> Watch:
-        """Watch every change under ``prefix`` from ``start_revision`` (inclusive)."""
+        """Watch every change under ``prefix`` from ``start_revision`` (inclusive).
+
+        ``start_revision`` must be at least 1 (ValueError otherwise); to see only what happens
+        after a read, pass ``get_prefix``'s revision + 1. Iterating a watch whose history was
+        compacted away raises StoreCompacted. Iteration ends after ``cancel()`` and after the
+        store's ``close()``.
+        """
 
     @abc.abstractmethod
     async def close(self) -> None:

@@ -1,7 +1,8 @@
 """Supervision of one node's worker processes behind one interface: start, wait, stop.
 
 Each worker runs in its own session (its own process group, so that its children are stopped
-with it) with a parent-death signal: if the agent dies, the kernel kills the workers. Stopping
+with it) with a parent-death signal set by a tiny exec wrapper: if the agent dies, the kernel
+kills the workers. Stopping
 sends SIGTERM to each group, waits ``grace`` seconds, then SIGKILLs what is left. Output goes
 through :class:`agent.output.OutputRouter` (prefixed console lines, log files).
 """
@@ -9,30 +10,31 @@ through :class:`agent.output.OutputRouter` (prefixed console lines, log files).
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import dataclasses
 import os
 import signal
+import sys
 from typing import Mapping, Sequence
 
 from agent.output import OutputRouter
 
-_PR_SET_PDEATHSIG = 1
-try:
-    _prctl = ctypes.CDLL(None, use_errno=True).prctl
-except (OSError, AttributeError):  # not Linux
-    _prctl = None
+# Exec wrapper that sets the parent-death signal and then becomes the real program. Doing this in
+# a preexec_fn is unsafe in a process with threads (gRPC's, the TCPStore's): the forked child can
+# crash before exec. PR_SET_PDEATHSIG survives execve. If the parent is already gone, exit.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, sys\n"
+    "ctypes.CDLL(None).prctl(1, int(sys.argv[1]))\n"
+    "if os.getppid() != int(sys.argv[2]):\n"
+    "    os._exit(1)\n"
+    "os.execvp(sys.argv[3], sys.argv[3:])\n"
+)
 
 
-def die_with_parent(sig: int = signal.SIGKILL):
-    """A ``preexec_fn`` that makes the child receive ``sig`` when its parent dies (Linux)."""
-    if _prctl is None:
-        return None
-
-    def _set() -> None:
-        _prctl(_PR_SET_PDEATHSIG, sig)
-
-    return _set
+def die_with_parent(argv: Sequence[str], sig: int = signal.SIGKILL) -> list[str]:
+    """``argv`` wrapped so that the process gets ``sig`` when this process dies (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return list(argv)
+    return [sys.executable, "-S", "-c", _DIE_WITH_PARENT, str(int(sig)), str(os.getpid()), *argv]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,9 +73,9 @@ class WorkerGroup:
     async def start(self) -> None:
         for launch in self._launches:
             proc = await asyncio.create_subprocess_exec(
-                *launch.argv, env=dict(launch.env), stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                start_new_session=True, preexec_fn=die_with_parent(),
+                *die_with_parent(launch.argv), env=dict(launch.env), stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
+                limit=1 << 20,
             )
             self._procs.append(proc)
             self._pumps += self._output.attach(proc, launch.local_rank, launch.rank)

@@ -49,9 +49,8 @@ async def _supervise_agents(configs: list[AgentConfig], grace: float) -> tuple[l
     """Start one agent process per config; wait for all. Returns their exit codes and the signal."""
     procs = []
     for cfg in configs:
-        procs.append(await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "agent", "--config", cfg.to_json(),
-            stdin=asyncio.subprocess.DEVNULL, preexec_fn=die_with_parent(signal.SIGTERM)))
+        argv = die_with_parent([sys.executable, "-m", "agent", "--config", cfg.to_json()], signal.SIGTERM)
+        procs.append(await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL))
     received: list[int] = []
     loop = asyncio.get_running_loop()
 

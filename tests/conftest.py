@@ -1,0 +1,48 @@
+"""Shared fixtures: one real etcd server per test session, and a clean environment per test."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent.etcd_server import EmbeddedEtcd
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory):
+    """A real etcd on loopback, port 0, shared by the session (give each test its own prefix)."""
+    server = EmbeddedEtcd(tmp_path_factory.mktemp("etcd"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(autouse=True)
+def _runtime_dir(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    """Each test gets its own TMRUN_RUNTIME_DIR, so no runtime file leaks between tests."""
+    runtime = tmp_path / "runtime"
+    runtime.mkdir()
+    monkeypatch.setenv("TMRUN_RUNTIME_DIR", str(runtime))
+    return runtime
+
+
+@pytest.fixture
+def jobs(tmp_path):
+    """Start ``tmrun`` jobs; afterwards assert that no process any of them started is still alive."""
+    from tests.harness import Job, alive
+
+    started: list[Job] = []
+
+    def start(args: list[str], env: dict | None = None) -> Job:
+        job = Job(args, cwd=tmp_path, env=env)
+        started.append(job)
+        return job
+
+    yield start
+    leftovers = []
+    for job in started:
+        job.track()
+        if job.proc.poll() is None:
+            leftovers.append(f"tmrun pid {job.proc.pid}")
+        leftovers += [f"pid {pid}" for pid in job.seen_pids - {job.proc.pid} if alive(pid)]
+        job.kill()
+    assert not leftovers, f"processes outlived the test: {leftovers}"
