@@ -27,6 +27,8 @@ class Timeouts:
       the echo of a peer's death) waits for a clearer culprit (a lost lease or a killed worker).
     - ``stop_grace``: SIGTERM to SIGKILL for workers being stopped.
     - ``store_retry``: how long etcd errors are retried before the agent gives up.
+    - ``standby_fill``: at the first rendezvous, how long nodes started as standbys wait before
+      they fill in for regular nodes that did not come.
     """
 
     join: float = 600.0
@@ -35,6 +37,7 @@ class Timeouts:
     failure_window: float = 6.0
     stop_grace: float = 5.0
     store_retry: float = 20.0
+    standby_fill: float = 10.0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -143,6 +146,7 @@ _TIMEOUT_KEYS = {
     "failure_window": "failure_window",
     "close_timeout": "stop_grace",
     "store_timeout": "store_retry",
+    "standby_fill_timeout": "standby_fill",
 }
 KNOWN_RDZV_CONF = frozenset(_TIMEOUT_KEYS) | {"timeout", "read_timeout", "is_host"}
 
@@ -155,7 +159,8 @@ def timeouts_from_conf(conf: dict[str, str], stop_grace: float | None = None) ->
             try:
                 values[field] = int(conf[key]) if field == "lease_ttl" else float(conf[key])
             except ValueError:
-                raise ConfigError(f"--rdzv-conf {key}={conf[key]!r}: expected a number") from None
+                kind = "an integer" if field == "lease_ttl" else "a number"
+                raise ConfigError(f"--rdzv-conf {key}={conf[key]!r}: expected {kind}") from None
     if "join_timeout" not in conf and "timeout" in conf:
         try:
             values["join"] = float(conf["timeout"])

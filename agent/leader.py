@@ -64,7 +64,7 @@ class Leader:
         self._wall = wall
         t = cfg.timeouts
         self._limits = Limits(cfg.min_nodes, cfg.max_nodes, cfg.worker.max_restarts, t.join, t.last_call,
-                              t.failure_window)
+                              t.failure_window, t.standby_fill)
         self._tcp_stores: collections.deque = collections.deque(maxlen=3)
         self.is_leader = False
 

@@ -15,6 +15,8 @@ Which node takes which place (the rank policy)::
 - No standby left: an elastic job (``--nnodes MIN:MAX``) shrinks while it stays at MIN or above;
   otherwise the node restarts in place, at most ``--max-restarts`` times for the whole job.
 - A lost node (lease expired) can't restart in place; the job waits ``join`` seconds for a node.
+- An elastic job below MAX grows with nodes that join as regular nodes; nodes started as
+  standbys (``--standby``) stay in the pool for failures and drains.
 
 Which node is to blame (the culprit rule): a failure in one place usually makes every peer's
 collective fail a moment later, so a plain non-zero exit is ambiguous. A lost lease or a worker
@@ -67,6 +69,7 @@ class Limits:
     join_timeout: float = 600.0
     last_call: float = 1.0
     failure_window: float = 6.0
+    standby_fill: float = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,9 +129,9 @@ def decide(cluster: Cluster, limits: Limits, clock: Clock) -> Decision:
         return failure
     if cluster.requests:
         return _on_request(cluster, plan, limits, cluster.requests[0])
-    pool = _pool(cluster, plan)
-    if len(plan.members) < limits.max_nodes and pool:
-        joiners = tuple(pool[: limits.max_nodes - len(plan.members)])
+    growth = [n for n in _pool(cluster, plan) if not cluster.nodes[n].standby_hint]
+    if len(plan.members) < limits.max_nodes and growth:
+        joiners = tuple(growth[: limits.max_nodes - len(plan.members)])
         return Decision(Action.START, f"scale-up: {', '.join(joiners)} join", members=plan.members + joiners,
                         out=plan.out, restarts=plan.restarts, in_place_restarts=plan.in_place_restarts,
                         kind="scale-up")
@@ -136,24 +139,36 @@ def decide(cluster: Cluster, limits: Limits, clock: Clock) -> Decision:
 
 
 def _rendezvous(cluster: Cluster, limits: Limits, clock: Clock) -> Decision:
+    """The first generation: regular nodes first; standby-hinted nodes only fill a gap.
+
+    Starts at once with MAX regular nodes; an elastic job starts with MIN or more regular nodes
+    after ``last_call``; standby-hinted nodes make up the numbers only after ``standby_fill``
+    (a regular node that never came), or at the join deadline once MIN nodes are there.
+    """
     eligible = _eligible(cluster)
     regular = [n.name for n in eligible if not n.standby_hint]
+    everyone = [n.name for n in eligible]
     if len(regular) >= limits.max_nodes:
-        members = tuple(regular[: limits.max_nodes])
-        return Decision(Action.START, f"{len(members)} nodes joined", members=members, kind="start")
+        return _first(tuple(regular[: limits.max_nodes]))
     waited = clock.now - clock.quorum_since if clock.quorum_since is not None else -1.0
-    if len(eligible) >= limits.min_nodes and waited >= limits.last_call:
-        members = tuple(n.name for n in eligible[: limits.max_nodes])
-        return Decision(Action.START, f"{len(members)} nodes joined", members=members, kind="start")
     join_deadline = clock.rendezvous_since + limits.join_timeout
+    if len(regular) >= limits.min_nodes and waited >= limits.last_call:
+        return _first(tuple(regular[: limits.max_nodes]))
+    if len(everyone) >= limits.min_nodes and (waited >= limits.standby_fill or clock.now >= join_deadline):
+        return _first(tuple(everyone[: limits.max_nodes]))
     if clock.now >= join_deadline:
         return Decision(Action.FINISH, f"rendezvous timed out after {limits.join_timeout:g} s: "
                         f"{len(eligible)} of {limits.min_nodes} nodes joined", outcome="failed", kind="failed")
     until = join_deadline
     if clock.quorum_since is not None:
-        until = min(until, clock.quorum_since + limits.last_call)
+        step = limits.last_call if len(regular) >= limits.min_nodes else limits.standby_fill
+        until = min(until, clock.quorum_since + step)
     return Decision(Action.WAIT, f"waiting for nodes: {len(eligible)} joined, {limits.min_nodes} needed",
                     until=until)
+
+
+def _first(members: tuple[str, ...]) -> Decision:
+    return Decision(Action.START, f"{len(members)} nodes joined", members=members, kind="start")
 
 
 def _on_failure(cluster: Cluster, plan: Plan, limits: Limits, clock: Clock) -> Decision | None:

@@ -115,9 +115,15 @@ RENDEZVOUS = [
     Case("standby-hint-not-chosen-while-regular-suffice",
          cluster(node("s", 1, hint=True), node("a", 2), node("b", 3)), FIXED2, T0, Action.START,
          members=("a", "b")),
-    Case("standby-hint-not-chosen-after-last-call-either",
+    Case("last-call-starts-with-regular-nodes-and-keeps-standbys",
          cluster(node("s", 1, hint=True), node("a", 2), node("b", 3)), ELASTIC_2_4,
-         Clock(now=5.0, quorum_since=1.0), Action.START, members=("a", "b", "s")),
+         Clock(now=5.0, quorum_since=1.0), Action.START, members=("a", "b")),
+    Case("standby-fills-a-missing-regular-node-after-standby-fill",
+         cluster(node("s", 1, hint=True), node("a", 2)), FIXED2,
+         Clock(now=11.0, quorum_since=1.0), Action.START, members=("a", "s")),
+    Case("standby-does-not-fill-before-standby-fill",
+         cluster(node("s", 1, hint=True), node("a", 2)), FIXED2,
+         Clock(now=5.0, quorum_since=1.0), Action.WAIT, until=11.0),
     Case("min-max-waits-for-last-call", cluster(node("a", 1), node("b", 2)), ELASTIC_2_4,
          Clock(now=10.5, quorum_since=10.0), Action.WAIT, until=11.0),
     Case("min-max-starts-after-last-call", cluster(node("a", 1), node("b", 2)), ELASTIC_2_4,
@@ -129,11 +135,333 @@ RENDEZVOUS = [
     Case("join-timeout-fails", cluster(node("a", 1)), FIXED2, Clock(now=600.0), Action.FINISH,
          outcome="failed", reason_has=("timed out", "1 of 2")),
     Case("join-timeout-counts-from-rendezvous-start", cluster(node("a", 1)),
-         dataclasses.replace(FIXED2, join_timeout=30.0), Clock(now=139.0, rendezvous_since=100.0), Action.WAIT,
-         until=130.0 + 0.0 + 100.0 - 100.0 + 0.0 if False else 130.0),
+         dataclasses.replace(FIXED2, join_timeout=30.0), Clock(now=129.0, rendezvous_since=100.0), Action.WAIT,
+         until=130.0),
+    Case("join-timeout-at-deadline", cluster(node("a", 1)),
+         dataclasses.replace(FIXED2, join_timeout=30.0), Clock(now=130.0, rendezvous_since=100.0), Action.FINISH,
+         outcome="failed"),
+    Case("wait-until-is-the-earlier-of-last-call-and-join", cluster(node("a", 1), node("b", 2)),
+         dataclasses.replace(ELASTIC_2_4, join_timeout=10.0, last_call=5.0), Clock(now=8.0, quorum_since=7.0),
+         Action.WAIT, until=10.0),
 ]
 
 
 @pytest.mark.parametrize("case", RENDEZVOUS, ids=[c.id for c in RENDEZVOUS])
 def test_rendezvous(case: Case) -> None:
     check(case, decide(case.cluster, case.limits, case.clock))
+
+
+def test_quorum_reached_needs_min_eligible_nodes() -> None:
+    assert not quorum_reached(cluster(node("a", 1)), ELASTIC_2_4)
+    assert quorum_reached(cluster(node("a", 1), node("s", 2, hint=True)), ELASTIC_2_4)
+
+
+def test_quorum_reached_before_join_deadline_does_not_time_out() -> None:
+    limits = dataclasses.replace(ELASTIC_2_4, join_timeout=10.0, last_call=5.0)
+    got = decide(cluster(node("a", 1), node("b", 2)), limits, Clock(now=10.0, quorum_since=7.0))
+    assert got.action is not Action.FINISH, got.reason
+
+
+# -- a running generation: success, failures, lost nodes ---------------------------------------
+
+AB = plan(("a", "b"))
+ABC = plan(("a", "b", "c"))
+
+RUNNING = [
+    Case("running-waits", cluster(running("a", 1), running("b", 2), plan=AB), FIXED2, T0, Action.WAIT),
+    Case("outcome-written-waits",
+         cluster(failed("a", 1, -9), plan=AB, requests=(drain("b"),), finished=True), FIXED2, T0, Action.WAIT,
+         reason_has=("ended",)),
+    Case("all-succeeded-finishes",
+         cluster(node("a", 1, gen=3, state="succeeded"), node("b", 2, gen=3, state="succeeded"),
+                 node("s", 3), plan=plan(("a", "b"), gen=3)),
+         FIXED2, T0, Action.FINISH, outcome="succeeded", reason_has=("generation 3",)),
+    Case("success-in-an-older-generation-does-not-count",
+         cluster(node("a", 1, gen=3, state="succeeded"), node("b", 2, gen=2, state="succeeded"),
+                 plan=plan(("a", "b"), gen=3)),
+         FIXED2, T0, Action.WAIT),
+    Case("failure-in-an-older-generation-does-not-count",
+         cluster(running("a", 1, gen=2), failed("b", 2, -9, gen=1), node("s", 3), plan=plan(("a", "b"), gen=2)),
+         FIXED2, T0, Action.WAIT),
+    Case("killed-by-signal-first-standby-same-index",
+         cluster(running("a", 1), failed("b", 2, -9), running("c", 3), node("t", 5), node("s", 4),
+                 plan=plan(("a", "b", "c"), restarts=2)),
+         FIXED3, T0, Action.START, members=("a", "s", "c"), out={"b": "failed"}, restarts=3,
+         in_place_restarts=0, reason_has=("b", "signal 9", "s takes its place")),
+    Case("killed-node-keeps-out-entries",
+         cluster(failed("a", 1, -11, gen=4), running("b", 2, gen=4), node("s", 4),
+                 plan=plan(("a", "b"), gen=4, out={"x": "drained"}, restarts=1)),
+         FIXED2, T0, Action.START, members=("s", "b"), out={"x": "drained", "a": "failed"}, restarts=2),
+    Case("standby-hint-does-not-matter-in-the-pool-join-order-does",
+         cluster(running("a", 1), failed("b", 2, -9), node("h", 4, hint=True), node("r", 5), plan=AB),
+         FIXED2, T0, Action.START, members=("a", "h")),
+    Case("lost-member-replaced",
+         cluster(running("a", 1), node("s", 3), plan=AB),
+         FIXED2, T0, Action.START, members=("a", "s"), out={"b": "lost"}, restarts=1, reason_has=("b was lost",)),
+    Case("plain-exit-waits-for-failure-window",
+         cluster(running("a", 1), failed("b", 2, 1), node("s", 3), plan=AB),
+         FIXED2, Clock(now=12.0, failure_since=10.0), Action.WAIT, until=16.0,
+         reason_has=("exited with code 1", "clearer cause")),
+    Case("plain-exit-window-counts-from-now-without-failure-since",
+         cluster(running("a", 1), failed("b", 2, 1), node("s", 3), plan=AB),
+         FIXED2, Clock(now=3.0), Action.WAIT, until=9.0),
+    Case("plain-exit-blamed-after-failure-window",
+         cluster(running("a", 1), failed("b", 2, 1), node("s", 3), plan=AB),
+         FIXED2, Clock(now=16.0, failure_since=10.0), Action.START, members=("a", "s"), out={"b": "failed"},
+         restarts=1),
+    Case("every-member-failed-blames-earliest-reporter-at-once",
+         cluster(failed("a", 1, 1, rev=20), failed("b", 2, 1, rev=15), node("s", 3), plan=AB),
+         FIXED2, Clock(now=10.0, failure_since=10.0), Action.START, members=("a", "s"), out={"b": "failed"},
+         restarts=1),
+    Case("earliest-reporter-is-by-report-revision-not-join-order",
+         cluster(failed("a", 1, 1, rev=7), failed("b", 2, 2, rev=9), failed("c", 3, 1, rev=8), node("s", 4),
+                 plan=ABC),
+         FIXED3, T0, Action.START, members=("s", "b", "c"), out={"a": "failed"}),
+    Case("signal-killed-preferred-over-earlier-plain-exit",
+         cluster(failed("a", 1, 1, rev=10), failed("b", 2, -9, rev=12), node("s", 3), plan=AB),
+         FIXED2, T0, Action.START, members=("a", "s"), out={"b": "failed"}),
+    Case("lost-preferred-over-plain-exit",
+         cluster(failed("a", 1, 1, rev=10), node("s", 3), plan=AB),
+         FIXED2, T0, Action.START, members=("a", "s"), out={"b": "lost"}),
+    Case("two-killed-two-standbys-both-replaced",
+         cluster(failed("a", 1, -9), running("b", 2), failed("c", 3, -15), node("s", 4), node("t", 5), plan=ABC),
+         FIXED3, T0, Action.START, members=("s", "b", "t"), out={"a": "failed", "c": "failed"}, restarts=1),
+    Case("killed-and-lost-two-standbys-both-replaced",
+         cluster(failed("a", 1, -9), running("b", 2), node("s", 4), node("t", 5), plan=ABC),
+         FIXED3, T0, Action.START, out={"a": "failed", "c": "lost"}, restarts=1),
+    Case("no-standby-fixed-size-restarts-in-place",
+         cluster(running("a", 1), failed("b", 2, -9), plan=plan(("a", "b"), restarts=1)),
+         dataclasses.replace(FIXED2, max_restarts=2), T0, Action.START, members=("a", "b"), out={},
+         restarts=2, in_place_restarts=1, reason_has=("restarting in place",)),
+    Case("no-standby-fixed-size-past-max-restarts-fails",
+         cluster(running("a", 1), failed("b", 2, -9), plan=plan(("a", "b"), restarts=3, in_place=2)),
+         dataclasses.replace(FIXED2, max_restarts=2), T0, Action.FINISH, outcome="failed",
+         reason_has=("--max-restarts 2",)),
+    Case("no-standby-max-restarts-zero-fails-at-once",
+         cluster(running("a", 1), failed("b", 2, -9), plan=AB), FIXED2, T0, Action.FINISH, outcome="failed"),
+    Case("no-standby-elastic-shrinks",
+         cluster(running("a", 1), failed("b", 2, -9), plan=AB), ELASTIC_1_2, T0, Action.START, members=("a",),
+         out={"b": "failed"}, restarts=1, in_place_restarts=0, reason_has=("shrinks to 1",)),
+    Case("no-standby-elastic-lost-shrinks",
+         cluster(running("b", 2), plan=AB), ELASTIC_1_2, T0, Action.START, members=("b",), out={"a": "lost"}),
+    Case("lost-no-standby-no-shrink-waits",
+         cluster(running("a", 1), plan=AB), FIXED2, Clock(now=11.0, failure_since=10.0), Action.WAIT,
+         until=610.0, reason_has=("b was lost", "waiting for a node")),
+    Case("lost-no-standby-no-shrink-fails-after-join-timeout",
+         cluster(running("a", 1), plan=AB), FIXED2, Clock(now=610.0, failure_since=10.0), Action.FINISH,
+         outcome="failed", reason_has=("b was lost", "600 s")),
+    Case("lost-then-a-node-joins-replaces",
+         cluster(running("a", 1), node("late", 9), plan=AB), FIXED2, Clock(now=300.0, failure_since=10.0),
+         Action.START, members=("a", "late"), out={"b": "lost"}),
+    Case("failure-is-handled-before-requests",
+         cluster(running("a", 1), failed("b", 2, -9), node("s", 3), plan=AB, requests=(drain("a"),)),
+         FIXED2, T0, Action.START, members=("a", "s"), out={"b": "failed"}, answers=()),
+]
+
+
+@pytest.mark.parametrize("case", RUNNING, ids=[c.id for c in RUNNING])
+def test_running_generation(case: Case) -> None:
+    check(case, decide(case.cluster, case.limits, case.clock))
+
+
+def test_killed_and_lost_keep_healthy_nodes_in_place() -> None:
+    c = cluster(failed("a", 1, -9), running("b", 2), node("s", 4), node("t", 5), plan=ABC)
+    got = decide(c, FIXED3, T0)
+    assert got.members[1] == "b"
+    assert sorted(got.members) == ["b", "s", "t"]
+
+
+def test_failure_pending() -> None:
+    assert not failure_pending(cluster(node("a", 1)))
+    assert not failure_pending(cluster(running("a", 1), running("b", 2), plan=AB))
+    assert failure_pending(cluster(running("a", 1), plan=AB))
+    assert failure_pending(cluster(running("a", 1), failed("b", 2, 1), plan=AB))
+    assert not failure_pending(cluster(running("a", 1, gen=2), failed("b", 2, 1, gen=1), plan=plan(("a", "b"), 2)))
+
+
+# -- requests (drain) and scale-up -------------------------------------------------------------
+
+REQUESTS = [
+    Case("drain-active-standby-takes-its-place",
+         cluster(running("a", 1), running("b", 2), node("s", 3), plan=plan(("a", "b"), restarts=2, in_place=1),
+                 requests=(drain("b"),)),
+         dataclasses.replace(FIXED2, max_restarts=3), T0, Action.START, members=("a", "s"),
+         out={"b": "drained"}, restarts=2, in_place_restarts=1, answers=("accepted",),
+         reason_has=("drain b", "s takes its place")),
+    Case("drain-active-no-standby-at-min-rejected",
+         cluster(running("a", 1), running("b", 2), plan=AB, requests=(drain("b"),)), FIXED2, T0, Action.ANSWER,
+         answers=("rejected",), reason_has=("cannot drain b", "no standby", "minimum size (2 nodes)")),
+    Case("drain-active-no-standby-elastic-shrinks",
+         cluster(running("a", 1), running("b", 2), plan=AB, requests=(drain("a"),)), ELASTIC_1_2, T0,
+         Action.START, members=("b",), out={"a": "drained"}, restarts=0, answers=("accepted",)),
+    Case("drain-standby-amends",
+         cluster(running("a", 1), running("b", 2), node("s", 3), plan=plan(("a", "b"), gen=5, restarts=1),
+                 requests=(drain("s"),)),
+         FIXED2, T0, Action.AMEND, members=("a", "b"), out={"s": "drained"}, restarts=1,
+         answers=("accepted",), reason_has=("standby",)),
+    Case("drain-already-drained-done",
+         cluster(running("a", 1), running("s", 3), plan=plan(("a", "s"), out={"b": "drained"}),
+                 requests=(drain("b"),)),
+         FIXED2, T0, Action.ANSWER, answers=("done",), reason_has=("already left", "drained")),
+    Case("drain-failed-node-done",
+         cluster(running("a", 1), running("s", 3), plan=plan(("a", "s"), out={"b": "failed"}),
+                 requests=(drain("b"),)),
+         FIXED2, T0, Action.ANSWER, answers=("done",)),
+    Case("drain-unknown-node-rejected",
+         cluster(running("a", 1), running("b", 2), plan=AB, requests=(drain("zz"),)), FIXED2, T0, Action.ANSWER,
+         answers=("rejected",), reason_has=("unknown node 'zz'",)),
+    Case("unknown-request-kind-rejected",
+         cluster(running("a", 1), running("b", 2), plan=AB, requests=(drain("a", kind="reboot"),)), FIXED2, T0,
+         Action.ANSWER, answers=("rejected",), reason_has=("'reboot'",)),
+    Case("scale-up-below-max-with-standby",
+         cluster(running("a", 1), node("s", 2), plan=plan(("a",), restarts=1)), ELASTIC_1_2, T0, Action.START,
+         members=("a", "s"), restarts=1, reason_has=("scale-up",)),
+    Case("scale-up-takes-only-up-to-max",
+         cluster(running("a", 1), running("b", 2), node("t", 4), node("s", 3), plan=AB), ELASTIC_2_4, T0,
+         Action.START, members=("a", "b", "s", "t")),
+    Case("scale-up-stops-at-max",
+         cluster(running("a", 1), node("s", 2), node("t", 3), node("u", 4), plan=plan(("a",))),
+         Limits(min_nodes=1, max_nodes=3), T0, Action.START, members=("a", "s", "t")),
+    Case("no-scale-up-at-max", cluster(running("a", 1), running("b", 2), node("s", 3), plan=AB), ELASTIC_1_2, T0,
+         Action.WAIT),
+    Case("no-scale-up-with-a-node-that-left",
+         cluster(running("a", 1), node("b", 2), plan=plan(("a",), out={"b": "drained"})), ELASTIC_1_2, T0,
+         Action.WAIT),
+    Case("request-before-scale-up",
+         cluster(running("a", 1), node("s", 2), plan=plan(("a",)), requests=(drain("s"),)), ELASTIC_1_2, T0,
+         Action.AMEND, out={"s": "drained"}, answers=("accepted",)),
+]
+
+
+@pytest.mark.parametrize("case", REQUESTS, ids=[c.id for c in REQUESTS])
+def test_requests_and_scale_up(case: Case) -> None:
+    check(case, decide(case.cluster, case.limits, case.clock))
+
+
+def test_oldest_request_is_answered_first() -> None:
+    c = cluster(running("a", 1), running("b", 2), plan=AB, requests=(drain("zz", "r1"), drain("b", "r2")))
+    got = decide(c, FIXED2, T0)
+    assert [a.request_id for a in got.answers] == ["r1"]
+
+
+# -- random sequences of events ----------------------------------------------------------------
+
+
+class Sim:
+    """A job driven by :func:`decide`, with decisions applied as the leader's driver applies them."""
+
+    def __init__(self, rng: random.Random, limits: Limits) -> None:
+        self.rng = rng
+        self.limits = limits
+        self.nodes: dict[str, NodeView] = {}
+        self.plan: Plan | None = None
+        self.requests: list[Request] = []
+        self.finished = False
+        self.now = 0.0
+        self.quorum_since: float | None = None
+        self.failure_since: tuple[int, float] | None = None
+        self.seq = 0
+        self.rev = 0
+        self.starts = 0
+
+    def cluster(self) -> Cluster:
+        return Cluster(dict(self.nodes), self.plan, tuple(self.requests), self.finished)
+
+    def _report(self, name: str, **run: Any) -> None:
+        self.rev += 1
+        view = self.nodes[name]
+        self.nodes[name] = dataclasses.replace(view, run=dataclasses.replace(view.run, **run), report_revision=self.rev)
+
+    def event(self) -> None:
+        kind = self.rng.choice(["join", "join", "lose", "kill", "exit", "exit", "drain", "succeed", "time"])
+        members = list(self.plan.members) if self.plan else []
+        alive_members = [m for m in members if m in self.nodes]
+        if kind == "join":
+            self.seq += 1
+            self.rev += 1
+            name = f"n{self.seq}"
+            self.nodes[name] = NodeView(name, self.rev, SLOTS, self.rng.random() < 0.3, RunState(), self.rev)
+        elif kind == "lose" and self.nodes:
+            del self.nodes[self.rng.choice(sorted(self.nodes))]
+        elif kind in ("kill", "exit") and alive_members:
+            code = -self.rng.choice([9, 15]) if kind == "kill" else self.rng.choice([1, 2])
+            self._report(self.rng.choice(alive_members), gen=self.plan.gen, state="failed", exitcode=code)
+        elif kind == "succeed" and alive_members:
+            for m in alive_members:
+                if self.rng.random() < 0.7:
+                    self._report(m, gen=self.plan.gen, state="succeeded", exitcode=0)
+        elif kind == "drain":
+            names = sorted(set(self.nodes) | set(members)) + ["ghost"]
+            self.seq += 1
+            self.requests.append(Request(f"r{self.seq}", "drain", self.rng.choice(names), created=self.now))
+        self.now += self.rng.choice([0.0, 0.5, 2.0, 7.0, 30.0])
+
+    def step(self) -> Decision:
+        """One pass of the leader's loop: observe, decide, apply."""
+        c = self.cluster()
+        self.quorum_since = (self.quorum_since if self.quorum_since is not None else self.now) \
+            if quorum_reached(c, self.limits) else None
+        gen = self.plan.gen if self.plan else 0
+        if failure_pending(c):
+            if self.failure_since is None or self.failure_since[0] != gen:
+                self.failure_since = (gen, self.now)
+        else:
+            self.failure_since = None
+        clock = Clock(self.now, 0.0, self.quorum_since, self.failure_since[1] if self.failure_since else None)
+        decision = decide(c, self.limits, clock)
+        if decision.action is Action.FINISH:
+            self.finished = True
+        elif decision.action in (Action.START, Action.AMEND):
+            old = self.plan
+            new_gen = (old.gen if old else 0) + (1 if decision.action is Action.START else 0)
+            self.plan = Plan(new_gen, tuple(decision.members), {m: self.nodes[m].slots for m in decision.members},
+                             "127.0.0.1", 1, "leader", decision.reason, decision.restarts,
+                             decision.in_place_restarts, dict(decision.out))
+            self.check_plan(old, self.plan, decision)
+            if decision.action is Action.START:
+                self.starts += 1
+                for m in self.plan.members:
+                    self._report(m, gen=new_gen, state="running", exitcode=None)
+        answered = {a.request_id for a in decision.answers}
+        self.requests = [r for r in self.requests if r.id not in answered]
+        return decision
+
+    def check_plan(self, old: Plan | None, new: Plan, decision: Decision) -> None:
+        why = decision.reason
+        assert len(set(new.members)) == len(new.members), why
+        assert not set(new.members) & set(new.out), why
+        assert all(m in self.nodes for m in new.members), why
+        assert self.limits.min_nodes <= len(new.members) <= self.limits.max_nodes, why
+        assert new.world_size <= self.limits.max_nodes * SLOTS, why
+        if old is None:
+            return
+        assert set(old.out).issubset(new.out), why  # a node that left never comes back
+        assert new.restarts >= old.restarts and new.in_place_restarts >= old.in_place_restarts, why
+        assert new.in_place_restarts <= self.limits.max_restarts, why
+        if decision.action is Action.AMEND:
+            assert new.members == old.members, why
+        if len(new.members) >= len(old.members):  # no shrink: healthy nodes never move
+            for index, member in enumerate(old.members):
+                if member in new.members:
+                    assert new.members.index(member) == index, why
+
+
+LIMITS = [Limits(2, 2, max_restarts=2), Limits(1, 3, max_restarts=1), Limits(3, 3), Limits(2, 4, max_restarts=5)]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_events_keep_plan_invariants(seed: int) -> None:
+    rng = random.Random(seed)
+    limits = dataclasses.replace(LIMITS[seed % len(LIMITS)], join_timeout=300.0, last_call=1.0,
+                                 failure_window=6.0)
+    sim = Sim(rng, limits)
+    for _ in range(150):
+        if sim.finished:
+            break
+        sim.event()
+        for _ in range(20):  # the leader acts until it has nothing to do
+            if sim.step().action is Action.WAIT:
+                break
+        else:
+            pytest.fail(f"the policy never settles (seed {seed})")
+    assert sim.starts >= 1 or sim.finished

@@ -5,3 +5,12 @@ training script's ``import tmrun`` costs nothing it does not use.
 """
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # ``tmrun.init`` and friends import torch; the CLI must not pay for that.
+    if name in ("init", "Run", "StepFailed"):
+        from tmrun import runtime
+
+        return getattr(runtime, name)
+    raise AttributeError(f"module 'tmrun' has no attribute {name!r}")

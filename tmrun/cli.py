@@ -113,7 +113,7 @@ def launch(
                                  help="Job id (default: SLURM job id, or generated).")] = "none",
     rdzv_conf: Annotated[str, _opt("--rdzv-conf", "--rdzv_conf", env="PET_RDZV_CONF", panel=RDZV,
                                    help="key=value,...: join_timeout, last_call_timeout, lease_ttl, "
-                                   "failure_window, close_timeout, store_timeout.")] = "",
+                                   "failure_window, close_timeout, store_timeout, standby_fill_timeout.")] = "",
     local_addr: Annotated[Optional[str], _opt("--local-addr", "--local_addr", env="PET_LOCAL_ADDR", panel=RDZV,
                                               help="Address other nodes use to reach this one.")] = None,
     etcd_cacert: Annotated[Optional[str], _opt("--etcd-cacert", env="TMRUN_ETCD_CACERT", panel=RDZV)] = None,
@@ -182,8 +182,13 @@ def launch(
 
 
 def _set_by_user(ctx: typer.Context, name: str) -> bool:
+    """Whether the user gave ``name`` (flag or environment) a value other than its default."""
     source = ctx.get_parameter_source(name)
-    return source is not None and source.name != "DEFAULT"
+    if source is None or source.name == "DEFAULT":
+        return False
+    default = next((p.default for p in ctx.command.params if p.name == name), None)
+    value = ctx.params.get(name)
+    return str(getattr(value, "value", value)) != str(getattr(default, "value", default))
 
 
 def _launch_local(rdzv_id: str, standby: int, common: dict) -> int:

@@ -1,0 +1,105 @@
+"""A small training job on the tmrun runtime, with faults to inject, for tests/test_runtime.py.
+
+Usage: python runtime_job.py OUT.pt [--steps N] [--plain-ddp] [--latch-at STEP:RANK] [--exit-at STEP:RANK]
+Prints one JSON line per event on stdout: {"step": s, "committed": bool} and a final summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket  # noqa: F401  (the sandbox test counts this process's sockets)
+
+import torch
+import torch.nn.functional as F
+
+import tmrun
+
+
+def sockets() -> int:
+    """This process's TCP connections that are not just listening (states other than LISTEN)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    count = 0
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[9] in inodes and fields[3] != "0A":  # 0A: LISTEN
+                    count += 1
+    return count
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--plain-ddp", action="store_true", help="torch's own DDP over the default group")
+    parser.add_argument("--latch-at", default="")
+    parser.add_argument("--exit-at", default="")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    sockets_before = sockets()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    latch = tuple(map(int, args.latch_at.split(":"))) if args.latch_at else None
+    exit_at = tuple(map(int, args.exit_at.split(":"))) if args.exit_at else None
+
+    if args.plain_ddp:
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        ddp = DistributedDataParallel(model)
+        for step in range(args.steps):
+            x, y = _batch(step, rank)
+            F.mse_loss(ddp(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        if rank == 0:
+            torch.save(model.state_dict(), args.out)
+        dist.destroy_process_group()
+        return
+
+    run = tmrun.init()
+    run.track(model=model, optimizer=opt)
+    ddp = run.data_parallel(model)
+    tried: dict[int, int] = {}
+    for step in run.steps(total=args.steps):
+        tried[step] = tried.get(step, 0) + 1
+        if exit_at == (step, run.rank):
+            os._exit(17)
+        x, y = _batch(step, run.rank)
+        noise = torch.rand(1)  # RNG use inside the step: a retry must see the same value
+        F.mse_loss(ddp(x) + 0 * noise, y).backward()
+        if latch == (step, run.rank) and tried[step] == 1:
+            run.latch(RuntimeError("injected"))
+        committed = run.commit()
+        if committed:
+            opt.step()
+        opt.zero_grad()
+        print(json.dumps({"step": step, "committed": committed, "noise": noise.item()}), flush=True)
+    if run.is_main:
+        torch.save(model.state_dict(), args.out)
+    print(json.dumps({"done": True, "role": run.role, "bytes_sent": run.group.bytes_sent,
+                      "answered": run.group.answered, "new_connections": sockets() - sockets_before}), flush=True)
+    run.finish()
+
+
+def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(8, 16, generator=g)
+    return x, x.sum(dim=1, keepdim=True).sin()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Communication groups the runtime trains over, behind one small interface.
+
+- :class:`RealGroup`: a gloo process group over a store prefix (one per generation). On GPUs an
+  NCCL group derived by split/shrink from one communicator built at start is the planned second
+  implementation (docs/design.md); the runtime does not care which it gets.
+- :class:`SandboxGroup`: the standby's shadow world. Every collective is answered inside the
+  process as a world of one would answer it (all-reduce returns its input, all-gather tiles the
+  local tensor, broadcast and barrier return at once) with tensors of the right shape; nothing
+  leaves the process. Its counters prove it: ``bytes_sent`` stays 0 while ``answered`` grows.
+
+Every collective returns a ``torch.futures.Future`` whose value is the result tensor, so DDP's
+communication hook can chain on it without blocking.
+"""
+
+from __future__ import annotations
+
+import abc
+import datetime
+
+import torch
+import torch.distributed as dist
+
+
+def completed(value) -> torch.futures.Future:
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(value)
+    return future
+
+
+class Group(abc.ABC):
+    rank: int
+    size: int
+    bytes_sent: int = 0  # payload bytes handed to a transport by this process
+    answered: int = 0  # collectives answered without any transport
+
+    @property
+    def contributors(self) -> int:
+        """How many ranks' inputs a sum over this group adds up (a sandbox answers as one)."""
+        return self.size
+
+    @abc.abstractmethod
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.futures.Future:
+        """Reduce ``tensor`` in place across the group (``sum`` or ``mean``)."""
+
+    @abc.abstractmethod
+    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.futures.Future: ...
+
+    @abc.abstractmethod
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]: ...
+
+    @abc.abstractmethod
+    def barrier(self) -> None: ...
+
+    def close(self) -> None:
+        """Release the transport; further collectives fail."""
+
+
+class SandboxGroup(Group):
+    """Answers every collective locally (shadow iterations on a standby)."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+        self.bytes_sent = 0
+        self.answered = 0
+
+    @property
+    def contributors(self) -> int:
+        return 1
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.futures.Future:
+        _check_op(op)
+        self.answered += 1
+        return completed(tensor)
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.futures.Future:
+        self.answered += 1
+        return completed(tensor)
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        self.answered += 1
+        return [tensor.clone() for _ in range(self.size)]
+
+    def barrier(self) -> None:
+        self.answered += 1
+
+
+class RealGroup(Group):
+    """A gloo group among ``size`` ranks that rendezvous through ``store``."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> None:
+        self.rank, self.size = rank, size
+        self.bytes_sent = 0
+        self.answered = 0
+        self._pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.futures.Future:
+        _check_op(op)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.SUM
+        self.bytes_sent += tensor.numel() * tensor.element_size()
+        future = self._pg.allreduce([tensor], options).get_future()
+        size = self.size
+        if op == "mean":
+            return future.then(lambda f: f.value()[0].div_(size))
+        return future.then(lambda f: f.value()[0])
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.futures.Future:
+        options = dist.BroadcastOptions()
+        options.rootRank = src
+        if self.rank == src:
+            self.bytes_sent += tensor.numel() * tensor.element_size()
+        return self._pg.broadcast([tensor], options).get_future().then(lambda f: f.value()[0])
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(tensor) for _ in range(self.size)]
+        self.bytes_sent += tensor.numel() * tensor.element_size()
+        self._pg.allgather([out], [tensor]).wait()
+        return out
+
+    def barrier(self) -> None:
+        self._pg.barrier().wait()
+
+    def close(self) -> None:
+        try:
+            self._pg.abort()
+        except (RuntimeError, AttributeError):
+            pass
+
+
+def _check_op(op: str) -> None:
+    if op not in ("sum", "mean"):
+        raise ValueError(f"unsupported reduce op {op!r}: use 'sum' or 'mean'")
+
+
+def local_process_group() -> "dist.ProcessGroup":
+    """A c10d ProcessGroup of one rank that never communicates: DDP's own group.
+
+    DDP needs a ProcessGroup; every byte of gradient traffic goes through the runtime's
+    communication hook instead, over whatever :class:`Group` is current.
+    """
+    from torch._C._distributed_c10d import ProcessGroup
+
+    store = dist.HashStore()
+    group = ProcessGroup(store, 0, 1)
+    backend = dist.ProcessGroupGloo(store, 0, 1)
+    group._set_default_backend(ProcessGroup.BackendType.GLOO)
+    group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, backend)
+    return group
