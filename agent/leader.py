@@ -69,11 +69,11 @@ class Leader:
         self.is_leader = False
 
     async def run(self) -> None:
-        """Campaign forever; lead whenever elected."""
+        """Campaign forever; lead whenever elected (not while this node is being drained)."""
         while True:
             seen = self._changes.version
             current = await self._store.get(self._keys.leader)
-            if current is None:
+            if current is None and not await self._drain_pending():
                 record = {"v": 1, "node": self._cfg.node, "host": self._cfg.host, "since": self._wall()}
                 if await self._store.create(self._keys.leader, record, lease=self._lease):
                     log.info("%s leads job %s", self._cfg.node, self._cfg.job_id)
@@ -118,6 +118,13 @@ class Leader:
                 timeout = None if decision.until is None else max(0.0, decision.until - self._clock())
                 await self._changes.wait(seen, timeout)
                 continue
+            me = self._cfg.node
+            if decision.action is Action.START and decision.out.get(me) == "drained" and cluster.plan \
+                    and me not in cluster.plan.out:
+                # The next generation's store must outlive this node: let another agent lead it.
+                log.info("%s is being drained: handing leadership over", me)
+                await self._store.delete(self._keys.leader)
+                return
             await self._apply(decision, cluster, plan_entry)
 
     async def _apply(self, decision: Decision, cluster: Cluster, plan_entry: Entry | None) -> None:
@@ -151,6 +158,17 @@ class Leader:
             await self._store.replace(key, request.to_dict(), mod_revision=entry.mod_revision)
         if decision.action is Action.ANSWER:
             await self._event(decision, gen)
+
+    async def _drain_pending(self) -> bool:
+        entries, _ = await self._store.get_prefix(self._keys.requests)
+        for entry in entries.values():
+            try:
+                request = Request.from_dict(entry.value)
+            except RecordError:
+                continue
+            if request.kind == "drain" and request.node == self._cfg.node and request.state == "pending":
+                return True
+        return False
 
     async def _event(self, decision: Decision, gen: int) -> None:
         record = EventRecord(self._wall(), decision.kind or decision.action.value, decision.reason, gen,

@@ -38,6 +38,7 @@ from agent.workers import GroupResult, WorkerGroup, WorkerLaunch
 log = logging.getLogger("tmrun.agent")
 
 EXIT_OK, EXIT_FAILED, EXIT_LEASE_LOST = 0, 1, 7
+HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
 class NodeAgent:
@@ -53,17 +54,19 @@ class NodeAgent:
         self._signal = asyncio.Event()
         self._signum = 0
         self._run = RunState()
+        self._joined_at = time.time()
         own_logs = cfg.worker.log_dir is None
         self._log_root = Path(tempfile.mkdtemp(prefix=f"tmrun-{cfg.node}-")) if own_logs else Path(cfg.worker.log_dir)
         self._own_log_root = own_logs
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in HANDLED_SIGNALS:
             loop.add_signal_handler(sig, self._on_signal, sig)
         background: list[asyncio.Task] = []
         lease_lost = False
         try:
+            await self._clear_finished_job()
             self._lease = await self._store.grant_lease(self.cfg.timeouts.lease_ttl)
             if not await self._store.create(self._keys.node(self.cfg.node), self._record().to_dict(), lease=self._lease):
                 raise ConfigError(f"node name {self.cfg.node!r} is already in use in job {self.cfg.job_id}")
@@ -74,7 +77,9 @@ class NodeAgent:
             leader = Leader(self.cfg, self._store, self._lease, self._changes)
             background = [asyncio.ensure_future(self._keepalive()), asyncio.ensure_future(leader.run())]
             return await self._follow(background)
-        except LeaseLost:
+        except (LeaseLost, StoreError) as exc:
+            if isinstance(exc, StoreError) and "lease not found" not in str(exc):
+                raise
             lease_lost = True
             if self._group is not None:
                 self._group.kill_now()
@@ -94,6 +99,17 @@ class NodeAgent:
             await self._store.close()
             if self._own_log_root:
                 shutil.rmtree(self._log_root, ignore_errors=True)
+
+    async def _clear_finished_job(self) -> None:
+        """A job id that already ran to an outcome (a persistent etcd, a requeued SLURM job) starts afresh."""
+        if await self._store.get(self._keys.outcome) is None:
+            return
+        nodes, _ = await self._store.get_prefix(self._keys.nodes)
+        if nodes:
+            raise ConfigError(f"job {self.cfg.job_id} has just ended and its agents are still leaving; "
+                              "use another --rdzv-id")
+        log.info("job %s ended earlier: clearing its keys for a new run", self.cfg.job_id)
+        await self._store.delete_prefix(self._keys.root)
 
     def _on_signal(self, sig: int) -> None:
         self._signum = sig
@@ -197,7 +213,7 @@ class NodeAgent:
     def _record(self) -> NodeRecord:
         cfg = self.cfg
         return NodeRecord(cfg.node, cfg.host, os.getpid(), cfg.worker.nproc_per_node, cfg.standby_hint,
-                          time.time(), self._run.to_dict())
+                          self._joined_at, self._run.to_dict())
 
     async def _keepalive(self) -> None:
         """Refresh the lease every third of its TTL; raise LeaseLost once it is gone."""

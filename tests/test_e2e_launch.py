@@ -144,3 +144,21 @@ def test_sigterm_stops_everything(jobs, tmp_path):
     job.proc.send_signal(signal.SIGTERM)
     assert job.wait(60) == 143
     assert "stopped by SIGTERM" in job.err.text()
+
+
+@pytest.mark.timeout(150)
+def test_drain_the_leaders_node(jobs, tmp_path, reference):
+    """The leader hosts each generation's store: draining its node hands leadership over first."""
+    job = _two_plus_one(jobs, tmp_path)
+    ref = job_ref(job)
+    job.out.wait_for(r"step 5 ", 60)
+    before = wait_status(ref, lambda d: d["generation"] == 1 and d["leader"], 30)
+    job.track()
+    leader = before["leader"]
+    drained = run_tmrun(["drain", leader], cwd=tmp_path, timeout=90)
+    assert drained.returncode == 0, drained.stderr
+    assert f"{leader} has left the job" in drained.stderr
+    after = wait_status(ref, lambda d: d["leader"] not in (None, leader), 30)
+    assert roles(after).get(leader) in ("drained", None)
+    assert job.wait(120) == 0, job.err.text()[-3000:]
+    assert_same_weights(tmp_path / "final.pt", reference)

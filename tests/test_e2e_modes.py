@@ -103,3 +103,17 @@ def test_two_jobs_need_job_flag(jobs, tmp_path):
     for job in (first, second):
         job.proc.send_signal(signal.SIGINT)
     assert [first.wait(60), second.wait(60)] == [130, 130]
+
+
+@pytest.mark.timeout(120)
+def test_log_dir_redirects_and_tee(jobs, tmp_path):
+    logs = tmp_path / "logs"
+    job = jobs(["--standalone", "--nproc-per-node", "2", "--rdzv-id", "logs", "--log-dir", str(logs),
+                "--redirects", "1", "--tee", "1:1", str(EXAMPLE), "--steps", "3"])
+    assert job.wait(100) == 0, job.err.text()[-3000:]
+    rank0 = logs / "logs" / "node-0" / "gen1" / "0" / "stdout.log"
+    assert "done steps=3" in rank0.read_text()
+    assert (logs / "logs" / "node-0" / "gen1" / "1" / "stdout.log").exists()
+    # local rank 0's stdout is redirected: in its file, not on the console
+    assert "done steps=3" not in job.out.text()
+    assert "started generation 1" in job.err.text()

@@ -13,7 +13,7 @@ import uuid
 from typing import Any, Callable
 
 from agent.changes import Changes
-from agent.errors import RequestRejected, TmrunError, UnknownNode
+from agent.errors import JobNotFound, RequestRejected, TmrunError, UnknownNode
 from agent.keys import JobKeys
 from agent.records import EventRecord, NodeRecord, Outcome, Plan, RecordError, Request
 from agent.store import Store
@@ -25,6 +25,8 @@ async def status(store: Store, job: str) -> dict[str, Any]:
     """The job as a JSON-able document: generation, leader, and one row per node."""
     keys = JobKeys(job)
     entries, _ = await store.get_prefix(keys.root)
+    if not entries:
+        raise JobNotFound(f"no job {job!r} at {store.endpoint}")
     plan = Plan.from_dict(entries[keys.plan].value) if keys.plan in entries else None
     outcome = Outcome.from_dict(entries[keys.outcome].value) if keys.outcome in entries else None
     leader = entries.get(keys.leader)
@@ -39,7 +41,7 @@ async def status(store: Store, job: str) -> dict[str, Any]:
     names = list(plan.members) if plan else []
     names += sorted(n for n in alive if n not in names)
     names += sorted(n for n in (plan.out if plan else {}) if n not in names)
-    nodes = [_node_row(name, alive.get(name), plan) for name in names]
+    nodes = [_node_row(name, alive.get(name), plan, outcome is not None) for name in names]
     state = outcome.state if outcome else ("running" if plan else "starting")
     return {
         "v": STATUS_SCHEMA,
@@ -57,9 +59,11 @@ async def status(store: Store, job: str) -> dict[str, Any]:
     }
 
 
-def _node_row(name: str, rec: NodeRecord | None, plan: Plan | None) -> dict[str, Any]:
+def _node_row(name: str, rec: NodeRecord | None, plan: Plan | None, ended: bool) -> dict[str, Any]:
     run = rec.run_state if rec else None
-    if plan is not None and name in plan.out:
+    if ended and rec is None:
+        role = "left"  # the job has ended and this node's agent is gone
+    elif plan is not None and name in plan.out:
         reason = plan.out[name]
         role = "draining" if reason == "drained" and rec is not None else reason
     elif plan is not None and name in plan.members:

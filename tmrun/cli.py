@@ -17,6 +17,7 @@ import re
 import shutil
 import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -61,7 +62,7 @@ NO_EFFECT = {
     "run_path": "the script runs in a new interpreter as with a plain launch",
     "logs_specs": "use --log-dir, --redirects and --tee",
     "numa_binding": "NUMA binding is not implemented",
-    "signals_to_handle": "SIGTERM, SIGINT, SIGHUP and SIGQUIT are always forwarded",
+    "signals_to_handle": "SIGTERM, SIGINT, SIGHUP and SIGQUIT always stop the job cleanly",
     "duplicate_stdout_filters": "not implemented",
     "duplicate_stderr_filters": "not implemented",
     "virtual_local_rank": "not implemented",
@@ -110,7 +111,8 @@ def launch(
     rdzv_endpoint: Annotated[str, _opt("--rdzv-endpoint", "--rdzv_endpoint", env="PET_RDZV_ENDPOINT", panel=RDZV,
                                        help="etcd://host:port[,host:port]; none: local cluster or SLURM.")] = "",
     rdzv_id: Annotated[str, _opt("--rdzv-id", "--rdzv_id", env="PET_RDZV_ID", panel=RDZV,
-                                 help="Job id (default: SLURM job id, or generated).")] = "none",
+                                 help="Job id (default: slurm-<job id> under SLURM, local-<time>-<pid> in a local cluster, "
+                                 "'default' with an endpoint).")] = "none",
     rdzv_conf: Annotated[str, _opt("--rdzv-conf", "--rdzv_conf", env="PET_RDZV_CONF", panel=RDZV,
                                    help="key=value,...: join_timeout, last_call_timeout, lease_ttl, "
                                    "failure_window, close_timeout, store_timeout, standby_fill_timeout.")] = "",
@@ -169,6 +171,9 @@ def launch(
     timeouts = timeouts_from_conf(conf, shutdown_timeout)
     parse_std_spec(redirects, "--redirects")
     parse_std_spec(tee, "--tee")
+    if log_dir is None and (redirects.strip() not in ("", "0") or tee.strip() not in ("", "0")):
+        log_dir = tempfile.mkdtemp(prefix="tmrun-logs-")  # kept: redirected output must survive the job
+        console.info(f"worker logs go to {log_dir}")
     worker = WorkerSpec(_worker_argv(script, script_args or [], module, no_python), nproc, role, log_dir,
                         redirects, tee, _ranks_filter(local_ranks_filter), max_restarts)
     slurm = None if standalone else detect_slurm(os.environ)
@@ -293,20 +298,25 @@ TimeoutOpt = Annotated[float, typer.Option("--store-timeout", help="Seconds to r
 
 
 def _job_ref(job: str | None, endpoint: str | None) -> JobRef:
-    if endpoint:
-        return JobRef(job or "default", endpoint)
     slurm = detect_slurm(os.environ)
+    if endpoint:
+        return JobRef(job or (f"slurm-{slurm.job_id}" if slurm else "default"), endpoint)
     if slurm is not None and job is None:
         return JobRef(f"slurm-{slurm.job_id}", default_endpoint(slurm))
     return find_job(runtime_dir(os.environ), job)
 
 
 def _admin(ref: JobRef, store_timeout: float, work):
-    from agent.etcd_store import EtcdStore, parse_endpoint
+    from agent.etcd_store import EtcdStore, TlsOptions, parse_endpoint
     from tmrun.admin import run
 
+    env = os.environ
+    tls = None
+    if any(env.get(f"TMRUN_ETCD_{k}") for k in ("CACERT", "CERT", "KEY")):
+        tls = TlsOptions(env.get("TMRUN_ETCD_CACERT"), env.get("TMRUN_ETCD_CERT"), env.get("TMRUN_ETCD_KEY"))
+
     async def go():
-        store = EtcdStore(parse_endpoint(ref.endpoint), retry_deadline=store_timeout)
+        store = EtcdStore(parse_endpoint(ref.endpoint), tls=tls, retry_deadline=store_timeout)
         try:
             return await work(store)
         finally:

@@ -24,7 +24,7 @@ from agent.config import AgentConfig
 from agent.errors import StoreError
 from agent.etcd_server import EmbeddedEtcd
 from agent.keys import JobKeys
-from agent.node import make_store, run_agent
+from agent.node import HANDLED_SIGNALS, make_store, run_agent
 from agent.records import Outcome
 from agent.workers import die_with_parent
 from tmrun.jobs import write_runtime_file
@@ -60,7 +60,7 @@ async def _supervise_agents(configs: list[AgentConfig], grace: float) -> tuple[l
             if proc.returncode is None:
                 proc.send_signal(signal.SIGTERM)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in HANDLED_SIGNALS:
         loop.add_signal_handler(sig, forward, sig)
     try:
         waits = [asyncio.ensure_future(p.wait()) for p in procs]
@@ -76,7 +76,7 @@ async def _supervise_agents(configs: list[AgentConfig], grace: float) -> tuple[l
                     await asyncio.gather(*waits)
         return [p.returncode for p in procs], (received[0] if received else 0)
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in HANDLED_SIGNALS:
             loop.remove_signal_handler(sig)
 
 

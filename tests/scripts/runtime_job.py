@@ -37,6 +37,11 @@ def sockets() -> int:
     return count
 
 
+def emit(event: dict) -> None:
+    """One JSON line in one write(2), so that lines of ranks sharing a pipe never interleave."""
+    os.write(1, (json.dumps(event) + "\n").encode())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -87,11 +92,11 @@ def main() -> None:
         if committed:
             opt.step()
         opt.zero_grad()
-        print(json.dumps({"step": step, "committed": committed, "noise": noise.item()}), flush=True)
+        emit({"step": step, "committed": committed, "noise": noise.item()})
     if run.is_main:
         torch.save(model.state_dict(), args.out)
-    print(json.dumps({"done": True, "role": run.role, "bytes_sent": run.group.bytes_sent,
-                      "answered": run.group.answered, "new_connections": sockets() - sockets_before}), flush=True)
+    emit({"done": True, "role": run.role, "bytes_sent": run.group.bytes_sent,
+                      "answered": run.group.answered, "new_connections": sockets() - sockets_before})
     run.finish()
 
 
