@@ -119,9 +119,10 @@ class Leader:
                 await self._changes.wait(seen, timeout)
                 continue
             me = self._cfg.node
-            if decision.action is Action.START and decision.out.get(me) == "drained" and cluster.plan \
-                    and me not in cluster.plan.out:
-                # The next generation's store must outlive this node: let another agent lead it.
+            if decision.action in (Action.START, Action.AMEND) and decision.out.get(me) == "drained" \
+                    and cluster.plan and me not in cluster.plan.out:
+                # This node leaves as soon as the plan says so, and the next generation's store must
+                # outlive it: let another agent apply the drain.
                 log.info("%s is being drained: handing leadership over", me)
                 await self._store.delete(self._keys.leader)
                 return

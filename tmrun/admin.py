@@ -140,7 +140,7 @@ async def drain(store: Store, job: str, node: str, *, wait: bool, timeout: float
                 if current.state == "rejected":
                     raise RequestRejected(current.answer)
                 progress(current.answer)
-                if not wait or current.state == "done":
+                if not wait:
                     return current.answer
             if answered is not None and await store.get(keys.node(node)) is None:
                 progress(f"{node} has left the job")

@@ -10,6 +10,7 @@ listed in docs/cli.md and in :data:`EXIT_CODES`.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import importlib.util
 import os
@@ -171,9 +172,6 @@ def launch(
     timeouts = timeouts_from_conf(conf, shutdown_timeout)
     parse_std_spec(redirects, "--redirects")
     parse_std_spec(tee, "--tee")
-    if log_dir is None and (redirects.strip() not in ("", "0") or tee.strip() not in ("", "0")):
-        log_dir = tempfile.mkdtemp(prefix="tmrun-logs-")  # kept: redirected output must survive the job
-        console.info(f"worker logs go to {log_dir}")
     worker = WorkerSpec(_worker_argv(script, script_args or [], module, no_python), nproc, role, log_dir,
                         redirects, tee, _ranks_filter(local_ranks_filter), max_restarts)
     slurm = None if standalone else detect_slurm(os.environ)
@@ -196,11 +194,21 @@ def _set_by_user(ctx: typer.Context, name: str) -> bool:
     return str(getattr(value, "value", value)) != str(getattr(default, "value", default))
 
 
+def _with_log_dir(common: dict) -> dict:
+    """Redirected output needs a directory that outlives the job: make one when none was given."""
+    worker: WorkerSpec = common["worker"]
+    if worker.log_dir is None and (worker.redirects.strip() not in ("", "0") or worker.tee.strip() not in ("", "0")):
+        worker = dataclasses.replace(worker, log_dir=tempfile.mkdtemp(prefix="tmrun-logs-"))
+        console.info(f"worker logs go to {worker.log_dir}")
+    return {**common, "worker": worker}
+
+
 def _launch_local(rdzv_id: str, standby: int, common: dict) -> int:
     from tmrun.launch import run_local_cluster
 
     job = rdzv_id if rdzv_id != "none" else f"local-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     _check_job_id(job)
+    common = _with_log_dir(common)
     total = common["max_nodes"] + standby
     configs = [AgentConfig(job_id=job, node=f"node-{i}", host="127.0.0.1", endpoint="",
                            standby_hint=i >= common["max_nodes"], **common) for i in range(total)]
@@ -215,6 +223,7 @@ def _launch_node(rdzv_id: str, endpoint: str, node_name: str | None, local_addr:
     etcd = None
     if slurm is not None:
         job = rdzv_id if rdzv_id != "none" else f"slurm-{slurm.job_id}"
+        _check_job_id(job)  # before anything is started
         name = node_name or slurm.this_host
         host = local_addr or slurm.this_host
         hint = slurm.node_id >= common["max_nodes"]
@@ -234,6 +243,7 @@ def _launch_node(rdzv_id: str, endpoint: str, node_name: str | None, local_addr:
         console.warning("--standby counts nodes only in a local cluster or under SLURM; "
                         "with an endpoint, every node beyond --nnodes is a standby")
     _check_job_id(job)
+    common = _with_log_dir(common)
     cfg = AgentConfig(job_id=job, node=name, host=host, endpoint=endpoint, standby_hint=hint,
                       hosts_store=etcd is not None, **common)
     from agent.__main__ import setup_logging
