@@ -16,6 +16,7 @@ where the leader reads them.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import shutil
@@ -33,6 +34,7 @@ from agent.output import OutputRouter
 from agent.records import NodeRecord, Outcome, Plan, RunState
 from agent.store import Store
 from agent.worker_env import worker_env
+from agent.worker_channel import WorkerChannel
 from agent.workers import GroupResult, WorkerGroup, WorkerLaunch
 
 log = logging.getLogger("tmrun.agent")
@@ -55,6 +57,13 @@ class NodeAgent:
         self._signum = 0
         self._run = RunState()
         self._joined_at = time.time()
+        self._socket_dir = tempfile.mkdtemp(prefix="tmrun-sock-")
+        self._channel = WorkerChannel(os.path.join(self._socket_dir, "agent.sock"), self._on_worker_message)
+        self._hello: set[int] = set()
+        self._shadow = False  # the running workers are a standby's shadow workers
+        self._shadow_failed = False
+        self._leave_sent = 0
+        self._dirty = asyncio.Event()
         own_logs = cfg.worker.log_dir is None
         self._log_root = Path(tempfile.mkdtemp(prefix=f"tmrun-{cfg.node}-")) if own_logs else Path(cfg.worker.log_dir)
         self._own_log_root = own_logs
@@ -72,6 +81,7 @@ class NodeAgent:
                 raise ConfigError(f"node name {self.cfg.node!r} is already in use in job {self.cfg.job_id}")
             _, revision = await self._store.get_prefix(self._keys.root)
             await self._changes.start(revision + 1)
+            await self._channel.start()
             log.info("%s joined job %s (host %s, %d slots)", self.cfg.node, self.cfg.job_id, self.cfg.host,
                      self.cfg.worker.nproc_per_node)
             leader = Leader(self.cfg, self._store, self._lease, self._changes)
@@ -91,6 +101,8 @@ class NodeAgent:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
             await self._changes.close()
+            await self._channel.close()
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
             if self._lease and not lease_lost:
                 try:
                     await self._store.revoke_lease(self._lease)
@@ -131,13 +143,17 @@ class NodeAgent:
                 leave = await self._reconcile(Plan.from_dict(plan_entry.value))
                 if leave:
                     return EXIT_OK
-            waiters = [asyncio.ensure_future(self._changes.wait(seen)), asyncio.ensure_future(self._signal.wait())]
+            waiters = [asyncio.ensure_future(self._changes.wait(seen)), asyncio.ensure_future(self._signal.wait()),
+                       asyncio.ensure_future(self._dirty.wait())]
             if self._group_wait is not None:
                 waiters.append(self._group_wait)
             done, _ = await asyncio.wait(waiters + background, return_when=asyncio.FIRST_COMPLETED)
-            for task in waiters[:2]:
+            for task in waiters[:3]:
                 if task not in done:
                     task.cancel()
+            if self._dirty.is_set():
+                self._dirty.clear()
+                await self._report(self._run)
             for task in done:
                 if task in background:
                     task.result()  # re-raises LeaseLost or a store error
@@ -151,51 +167,118 @@ class NodeAgent:
     async def _reconcile(self, plan: Plan) -> bool:
         """Bring this node in line with ``plan``; True when this node must leave the job."""
         node = self.cfg.node
+        running = self._group_wait is not None and not self._group_wait.done()
         if node in plan.out:
-            await self._stop_workers()
             if plan.out[node] == "drained":
+                if plan.mode == "swap-agreed" and running and not self._shadow:
+                    if self._leave_sent != plan.gen:  # planned swap: leave at the switch the ranks agree on
+                        self._leave_sent = plan.gen
+                        for pid in self._group.pids:
+                            self._channel.send(pid, "leave", gen=plan.gen)
+                    return False
+                await self._stop_workers()
                 log.info("%s was drained: leaving the job", node)
                 return True
+            await self._stop_workers()
             if self._run.state != "idle":
                 await self._report(RunState(plan.gen, "idle", at=time.time()))
             return False
         if node in plan.members:
             if self._group_gen != plan.gen:
-                await self._stop_workers()
-                await self._start_workers(plan)
+                if plan.mode.startswith("swap") and running:
+                    self._prepare(plan)  # hot swap: keep the workers, hand them the next generation
+                elif plan.mode.startswith("swap"):
+                    await self._stop_workers()
+                    await self._start_workers(plan, standby=True)
+                    self._prepare(plan)
+                else:
+                    await self._stop_workers()
+                    await self._start_workers(plan)
             return False
-        if self._group is not None:
+        if plan.hot and self._group is None and not self._shadow_failed:
+            await self._start_workers(plan, standby=True)  # shadow iterations: warm, then wait
+        elif not plan.hot and self._group is not None:
             await self._stop_workers()
             await self._report(RunState(plan.gen, "idle", at=time.time()))
         return False
 
-    async def _start_workers(self, plan: Plan) -> None:
+    def _prepare(self, plan: Plan) -> None:
+        offset = plan.rank_offset(self.cfg.node)
+        mode = "now" if plan.mode == "swap-now" else "agreed"
+        for local_rank, pid in enumerate(self._group.pids):
+            self._channel.send(pid, "prepare", gen=plan.gen, rank=offset + local_rank, world_size=plan.world_size,
+                               store_host=plan.store_host, store_port=plan.store_port, mode=mode)
+        log.info("%s: generation %d prepared without restart (%s, ranks %d-%d)", self.cfg.node, plan.gen,
+                 plan.mode, offset, offset + len(self._group.pids) - 1)
+        self._group_gen, self._shadow = plan.gen, False
+        self._run = dataclasses.replace(self._run, gen=plan.gen, state="running", rank=offset, at=time.time())
+        self._dirty.set()
+
+    def _on_worker_message(self, pid: int, message: dict) -> None:
+        kind = message["type"]
+        group = self._group
+        if group is None or pid not in group.pids:
+            return
+        if kind == "hello":
+            self._hello.add(pid)
+            if all(p in self._hello for p in group.pids) and not self._run.runtime:
+                self._run = dataclasses.replace(self._run, runtime=True)
+                self._dirty.set()
+        elif kind == "progress":
+            self._run = dataclasses.replace(self._run, step=int(message["step"]), step_time=float(message["step_time"]))
+            self._dirty.set()
+        elif kind == "switched":
+            fields = {k: v for k, v in message.items() if k not in ("v", "type")}
+            self._run = dataclasses.replace(self._run, last_swap=fields, step=int(fields.get("step", 0)))
+            log.info("%s worker %d switched to generation %s at step %s (stall %.3f s)", self.cfg.node, pid,
+                     fields.get("gen"), fields.get("step"), float(fields.get("stall", 0.0)))
+            self._dirty.set()
+        elif kind == "broken":
+            log.warning("%s worker %d: generation %s broke at step %s: %s", self.cfg.node, pid, message.get("gen"),
+                        message.get("step"), str(message.get("error", "")).splitlines()[0][:300])
+
+    async def _start_workers(self, plan: Plan, standby: bool = False) -> None:
         cfg = self.cfg
-        gen_dir = self._log_root / cfg.job_id / cfg.node / f"gen{plan.gen}"
-        offset = plan.rank_offset(cfg.node)
+        gen_dir = self._log_root / cfg.job_id / cfg.node / (f"standby{plan.gen}" if standby else f"gen{plan.gen}")
+        offset = max(0, plan.world_size - cfg.worker.nproc_per_node) if standby else plan.rank_offset(cfg.node)
         launches = []
         for local_rank in range(cfg.worker.nproc_per_node):
             error_file = gen_dir / str(local_rank) / "error.json"
             error_file.parent.mkdir(parents=True, exist_ok=True)
-            env = worker_env(os.environ, cfg, plan, local_rank, str(error_file))
+            env = worker_env(os.environ, cfg, plan, local_rank, str(error_file), rank_offset=offset)
+            env["TMRUN_AGENT_SOCKET"] = self._channel.path
+            env["TMRUN_ROLE"] = "standby" if standby else "active"
             launches.append(WorkerLaunch(cfg.worker.argv, env, local_rank, offset + local_rank))
         router = OutputRouter(cfg.node, log_dir=gen_dir, redirects=cfg.worker.redirects, tee=cfg.worker.tee,
                               local_ranks_filter=cfg.worker.local_ranks_filter)
         group = WorkerGroup(launches, router, cfg.timeouts.stop_grace)
         await group.start()
-        self._group, self._group_gen = group, plan.gen
+        self._group, self._group_gen, self._shadow = group, (0 if standby else plan.gen), standby
+        self._hello.clear()
         self._group_wait = asyncio.ensure_future(group.wait())
-        log.info("%s started generation %d: ranks %d-%d of %d (pids %s)", cfg.node, plan.gen, offset,
-                 offset + cfg.worker.nproc_per_node - 1, plan.world_size, ", ".join(map(str, group.pids)))
-        await self._report(RunState(plan.gen, "running", rank=offset, worker_pids=group.pids, at=time.time()))
+        pids = ", ".join(map(str, group.pids))
+        if standby:
+            log.info("%s started shadow workers (pids %s)", cfg.node, pids)
+            await self._report(RunState(0, "shadow", worker_pids=group.pids, at=time.time()))
+        else:
+            log.info("%s started generation %d: ranks %d-%d of %d (pids %s)", cfg.node, plan.gen, offset,
+                     offset + cfg.worker.nproc_per_node - 1, plan.world_size, pids)
+            await self._report(RunState(plan.gen, "running", rank=offset, worker_pids=group.pids, at=time.time()))
 
     async def _on_group_done(self, result: GroupResult) -> None:
         gen = self._group_gen
         self._group_wait = None
+        if self._shadow:
+            self._shadow_failed = result.state == "failed"
+            log.warning("%s: shadow workers ended (%s, exit %s)", self.cfg.node, result.state, result.exitcode)
+            self._group, self._shadow = None, False
+            await self._report(RunState(0, "idle", at=time.time()))
+            return
         if result.state == "failed":
             log.warning("%s generation %d: worker rank %s exited with %s", self.cfg.node, gen, result.rank,
                         result.exitcode)
-        await self._report(RunState(gen, result.state, result.exitcode, result.rank, at=time.time()))
+        await self._report(dataclasses.replace(self._run, gen=gen, state=result.state, exitcode=result.exitcode,
+                                               rank=result.rank, at=time.time()))
 
     async def _stop_workers(self) -> None:
         group, wait = self._group, self._group_wait
@@ -204,7 +287,8 @@ class NodeAgent:
         await group.stop()
         if wait is not None:
             await asyncio.gather(wait, return_exceptions=True)
-        self._group, self._group_wait, self._group_gen = None, None, 0
+        self._channel.forget(group.pids)
+        self._group, self._group_wait, self._group_gen, self._shadow = None, None, 0, False
 
     async def _report(self, run: RunState) -> None:
         self._run = run

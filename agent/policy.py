@@ -101,6 +101,8 @@ class Decision:
     answers: tuple[Answer, ...] = ()
     until: float | None = None
     kind: str = ""  # event kind for the history: start, failure, drain, scale-up, ...
+    hot: bool = False
+    mode: str = "restart"
 
 
 def quorum_reached(cluster: Cluster, limits: Limits) -> bool:
@@ -129,12 +131,16 @@ def decide(cluster: Cluster, limits: Limits, clock: Clock) -> Decision:
         return failure
     if cluster.requests:
         return _on_request(cluster, plan, limits, cluster.requests[0])
+    if not plan.hot and all(_run(cluster, m).gen == plan.gen and _run(cluster, m).runtime for m in plan.members):
+        return Decision(Action.AMEND, f"generation {plan.gen} runs the tmrun runtime: standbys shadow-train, "
+                        "swaps need no restart", members=plan.members, out=plan.out, restarts=plan.restarts,
+                        in_place_restarts=plan.in_place_restarts, kind="hot", hot=True, mode=plan.mode)
     growth = [n for n in _pool(cluster, plan) if not cluster.nodes[n].standby_hint]
     if len(plan.members) < limits.max_nodes and growth:
         joiners = tuple(growth[: limits.max_nodes - len(plan.members)])
         return Decision(Action.START, f"scale-up: {', '.join(joiners)} join", members=plan.members + joiners,
                         out=plan.out, restarts=plan.restarts, in_place_restarts=plan.in_place_restarts,
-                        kind="scale-up")
+                        kind="scale-up", hot=plan.hot)
     return Decision(Action.WAIT, f"generation {plan.gen} is running")
 
 
@@ -223,8 +229,10 @@ def _replace(cluster: Cluster, plan: Plan, limits: Limits, clock: Clock,
         return Decision(Action.FINISH, f"{'; '.join(notes).replace(', restarting in place', '')}"
                         f" and --max-restarts {limits.max_restarts} is used up",
                         outcome="failed", kind="failed")
-    return Decision(Action.START, "; ".join(notes), members=tuple(members), out=out,
-                    restarts=plan.restarts + 1, in_place_restarts=in_place_restarts, kind="failure")
+    swap = plan.hot and not in_place and len(members) == len(plan.members)
+    return Decision(Action.START, "; ".join(notes) + (" (hot swap)" if swap else ""), members=tuple(members),
+                    out=out, restarts=plan.restarts + 1, in_place_restarts=in_place_restarts, kind="failure",
+                    hot=plan.hot, mode="swap-now" if swap else "restart")
 
 
 def _on_request(cluster: Cluster, plan: Plan, limits: Limits, request: Request) -> Decision:
@@ -237,9 +245,11 @@ def _on_request(cluster: Cluster, plan: Plan, limits: Limits, request: Request) 
     if node in plan.members:
         members = list(plan.members)
         pool = _pool(cluster, plan)
+        mode = "restart"
         if pool:
             members[members.index(node)] = pool[0]
-            text = f"drain {node}: {pool[0]} takes its place"
+            mode = "swap-agreed" if plan.hot else "restart"
+            text = f"drain {node}: {pool[0]} takes its place" + (" (hot swap)" if plan.hot else "")
         elif len(members) - 1 >= limits.min_nodes:
             members.remove(node)
             text = f"drain {node}: no standby, the job shrinks to {len(members)} nodes"
@@ -247,11 +257,13 @@ def _on_request(cluster: Cluster, plan: Plan, limits: Limits, request: Request) 
             return _answer(request, "rejected", f"cannot drain {node}: no standby can take its place "
                            f"and the job is at its minimum size ({limits.min_nodes} nodes)")
         return Decision(Action.START, text, members=tuple(members), out={**plan.out, node: "drained"},
-                        answers=(Answer(request.id, "accepted", text),), kind="drain", **keep)
+                        answers=(Answer(request.id, "accepted", text),), kind="drain", hot=plan.hot, mode=mode,
+                        **keep)
     if node in cluster.nodes:
         text = f"drain {node}: it was a standby and leaves the pool"
         return Decision(Action.AMEND, text, members=plan.members, out={**plan.out, node: "drained"},
-                        answers=(Answer(request.id, "accepted", text),), kind="drain", **keep)
+                        answers=(Answer(request.id, "accepted", text),), kind="drain", hot=plan.hot,
+                        mode=plan.mode, **keep)
     return _answer(request, "rejected", f"unknown node {node!r}")
 
 

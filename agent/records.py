@@ -58,6 +58,10 @@ class RunState(Record):
     rank: int | None = None
     worker_pids: tuple[int, ...] = ()
     at: float = 0.0
+    runtime: bool = False  # every worker said hello: the script runs the tmrun runtime
+    step: int = 0  # the job's step, as the workers last reported it
+    step_time: float = 0.0
+    last_swap: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +84,11 @@ class Plan(Record):
     """One generation: who trains, in which order (group rank = index), and where the store is.
 
     ``out`` maps nodes that left the job to why (``drained``, ``failed``, ``lost``).
+    ``hot``: every member runs the tmrun runtime, so standbys shadow-train and a node can be
+    swapped without restarting the others. ``mode`` says how members reach this generation:
+    ``restart`` (new workers everywhere), ``swap-agreed`` (a planned swap: the running workers
+    build the group in the background and switch at a step boundary they vote for) or
+    ``swap-now`` (a failure: the survivors switch as soon as the group is built).
     ``restarts`` counts generations started because of a failure; ``in_place_restarts`` the
     subset that restarted on the same nodes for lack of a standby (bounded by --max-restarts).
     """
@@ -95,6 +104,8 @@ class Plan(Record):
     in_place_restarts: int = 0
     out: dict[str, str] = dataclasses.field(default_factory=dict)
     created: float = 0.0
+    hot: bool = False
+    mode: str = "restart"
 
     @property
     def world_size(self) -> int:

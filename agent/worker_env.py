@@ -14,15 +14,19 @@ from agent.records import Plan
 
 
 def worker_env(base: Mapping[str, str], cfg: AgentConfig, plan: Plan, local_rank: int,
-               error_file: str) -> dict[str, str]:
-    """The full environment of local rank ``local_rank`` of this node in ``plan``."""
+               error_file: str, rank_offset: int | None = None) -> dict[str, str]:
+    """The full environment of local rank ``local_rank`` of this node in ``plan``.
+
+    ``rank_offset`` overrides the node's place in ``plan`` (a standby's shadow workers, which are
+    not members yet, get the last ranks of the world as placeholders).
+    """
     nproc = cfg.worker.nproc_per_node
-    rank = plan.rank_offset(cfg.node) + local_rank
+    rank = (plan.rank_offset(cfg.node) if rank_offset is None else rank_offset) + local_rank
     env = dict(base)
     env.update({
         "LOCAL_RANK": str(local_rank),
         "RANK": str(rank),
-        "GROUP_RANK": str(plan.members.index(cfg.node)),
+        "GROUP_RANK": str(plan.members.index(cfg.node) if cfg.node in plan.members else len(plan.members)),
         "ROLE_RANK": str(rank),
         "ROLE_NAME": cfg.worker.role,
         "LOCAL_WORLD_SIZE": str(nproc),

@@ -91,4 +91,4 @@ def test_standby_sandbox_sends_nothing(tmp_path):
     summary = _lines(done.stdout)[-1]
     assert summary["role"] == "standby"
     assert summary["bytes_sent"] == 0 and summary["new_connections"] == 0
-    assert summary["answered"] >= 8  # every gradient bucket and every vote was answered locally
+    assert summary["answered"] >= 6  # 3 warm-up steps: every gradient bucket and every vote answered locally

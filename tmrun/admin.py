@@ -54,6 +54,8 @@ async def status(store: Store, job: str) -> dict[str, Any]:
         "world_size": plan.world_size if plan else 0,
         "restarts": plan.restarts if plan else 0,
         "in_place_restarts": plan.in_place_restarts if plan else 0,
+        "hot_swap": plan.hot if plan else False,
+        "mode": plan.mode if plan else None,
         "standby_pool": sum(1 for row in nodes if row["role"] == "standby"),
         "nodes": nodes,
     }
@@ -87,6 +89,9 @@ def _node_row(name: str, rec: NodeRecord | None, plan: Plan | None, ended: bool)
         "state": run.state if run else "gone",
         "exitcode": run.exitcode if run else None,
         "worker_pids": list(run.worker_pids) if run else [],
+        "step": run.step if run else None,
+        "step_time": run.step_time if run else None,
+        "last_swap": run.last_swap if run else {},
     }
 
 

@@ -43,22 +43,26 @@ def print_status(doc: dict[str, Any]) -> None:
     outcome = doc.get("outcome") or {}
     headline = (f"job [bold]{doc['job']}[/] · {doc['state']} · generation {doc['generation']} · "
                 f"world size {doc['world_size']} · restarts {doc['restarts']} · leader {doc['leader'] or '-'} · "
-                f"standby pool {doc['standby_pool']}")
+                f"standby pool {doc['standby_pool']}" + (" · hot swap" if doc.get("hot_swap") else ""))
     _out.print(headline)
     if outcome:
         _out.print(f"outcome: {outcome.get('state')}: {outcome.get('reason')}")
     if doc["standby_pool"] == 0 and doc["state"] == "running":
         _out.print("[yellow]the standby pool is empty: a failure now restarts workers in place[/]")
     table = Table(show_header=True, header_style="bold")
-    for column in ("node", "role", "host", "ranks", "gen", "workers", "agent pid"):
+    for column in ("node", "role", "host", "ranks", "gen", "workers", "step", "step time", "last swap", "agent pid"):
         table.add_column(column)
     for row in doc["nodes"]:
         ranks = row["ranks"]
         rank_text = "-" if not ranks else (str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}")
         style = _ROLE_STYLE.get(row["role"], "")
         workers = row["state"] + (f" ({row['exitcode']})" if row["exitcode"] not in (None, 0) else "")
+        swap = row.get("last_swap") or {}
+        stall = f"gen {swap['gen']}: {swap['stall']:.3f} s" if "stall" in swap else "-"
+        step_time = f"{row['step_time']:.3f} s" if row.get("step_time") else "-"
         table.add_row(row["node"], f"[{style}]{row['role']}[/]" if style else row["role"], row["host"] or "-",
-                      rank_text, str(row["generation"] or "-"), workers, str(row["agent_pid"] or "-"))
+                      rank_text, str(row["generation"] or "-"), workers, str(row.get("step") or "-"), step_time,
+                      stall, str(row["agent_pid"] or "-"))
     _out.print(table)
 
 

@@ -120,6 +120,13 @@ class RealGroup(Group):
     def barrier(self) -> None:
         self._pg.barrier().wait()
 
+    def send(self, tensor: torch.Tensor, dst: int, tag: int):
+        self.bytes_sent += tensor.numel() * tensor.element_size()
+        return self._pg.send([tensor], dst, tag)
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int):
+        return self._pg.recv([tensor], src, tag)
+
     def close(self) -> None:
         try:
             self._pg.abort()

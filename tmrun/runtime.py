@@ -27,12 +27,15 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import time
 from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 
+from tmrun.channel import AgentChannel
 from tmrun.groups import Group, RealGroup, SandboxGroup
+from tmrun.swap import Exchange, GroupSpec, NextGroup, build_group, exchange_state
 
 
 class StepFailed(RuntimeError):
@@ -66,16 +69,27 @@ class Identity:
 class Run:
     """One worker's view of the job: its rank, its group, its tracked state, its step loop."""
 
-    def __init__(self, identity: Identity, group: Group, *, max_retries: int = 3) -> None:
+    def __init__(self, identity: Identity, group: Group, *, channel: AgentChannel | None = None,
+                 max_retries: int = 3, warmup: int = 3, group_timeout: float = 120.0,
+                 recover_timeout: float = 300.0) -> None:
         self.identity = identity
         self.group = group
+        self.channel = channel
         self.max_retries = max_retries
+        self.warmup = warmup
+        self.group_timeout = group_timeout
+        self.recover_timeout = recover_timeout
         self.step = 0  # the next step index to run (the job's)
         self.device = torch.device("cpu")
+        self.swaps: list[dict[str, Any]] = []  # what each switch cost, for logs and tests
         self._tracked: dict[str, Any] = {}
         self._error: BaseException | None = None
         self._voted: bool | None = None
+        self._switch = False
         self._rng: torch.Tensor | None = None
+        self._next: NextGroup | None = None
+        self._leave_gen = 0
+        self._last_progress = 0.0
 
     # ------------------------------------------------------------------ identity
     @property
@@ -88,11 +102,15 @@ class Run:
 
     @property
     def is_main(self) -> bool:
-        return self.identity.rank == 0
+        return self.identity.rank == 0 and self.identity.role != "standby"
 
     @property
     def role(self) -> str:
         return self.identity.role
+
+    @property
+    def generation(self) -> int:
+        return self.identity.generation
 
     # ------------------------------------------------------------------ state
     def track(self, **objects: Any) -> None:
@@ -117,12 +135,18 @@ class Run:
         return self._error
 
     def commit(self) -> bool:
-        """All ranks vote: True only if no rank latched an error in this step."""
+        """All ranks vote: True only if no rank latched an error in this step.
+
+        The same vote carries "I am ready for the next generation": when every rank is, all of
+        them switch after this step (phase 2 of a planned swap), without any extra round trip.
+        """
         ok = self._error is None
-        flag = torch.tensor([1.0 if ok else 0.0])
+        ready = self._leave_gen > 0 or (self._next is not None and self._next.ready and self._next.spec.mode == "agreed")
+        votes = torch.tensor([1.0 if ok else 0.0, 1.0 if ready else 0.0])
         try:
-            self.group.all_reduce(flag, "sum").wait()
-            agreed = ok and int(flag.item()) == self.group.contributors
+            self.group.all_reduce(votes, "sum").wait()
+            agreed = ok and int(votes[0].item()) == self.group.contributors
+            self._switch = agreed and ready and int(votes[1].item()) == self.group.contributors
         except RuntimeError as exc:  # the vote itself failed: a peer is gone
             self.latch(exc)
             agreed = False
@@ -131,24 +155,154 @@ class Run:
 
     # ------------------------------------------------------------------ the step loop
     def steps(self, total: int) -> Iterator[int]:
-        """Yield the job's step indices from ``self.step`` to ``total``; retry steps that failed."""
+        """Yield the job's step indices from ``self.step`` to ``total``; retry steps that failed.
+
+        On a standby this first runs ``warmup`` shadow iterations in the sandbox, then waits to
+        be promoted and continues at the job's step. Between steps it follows the agent: builds
+        the next generation's group in the background, switches when every rank voted ready.
+        """
+        if self.role == "standby":
+            yield from self._shadow(total)
+            if self.role == "standby":
+                return  # no agent to promote this standby: the warm-up was all there was to do
         tries = 0
         while self.step < total:
             self._begin()
+            started = time.monotonic()
             yield self.step
+            self._follow_agent()
             if self._voted is False:
                 tries += 1
-                if tries >= self.max_retries:
+                if self.channel is not None:
+                    self._recover()
+                elif tries >= self.max_retries:
                     raise StepFailed(f"step {self.step} did not commit after {tries} tries: {self._error}")
                 torch.random.set_rng_state(self._rng)  # the retry sees the same randomness
                 continue
             tries = 0
             self.step += 1
+            self._report_progress(time.monotonic() - started)
+            if self._switch:
+                self._switch_generation()
 
     def _begin(self) -> None:
         self._error = None
         self._voted = None
+        self._switch = False
         self._rng = torch.random.get_rng_state()
+
+    def _shadow(self, total: int) -> Iterator[int]:
+        """Warm iterations on a standby: the user's own loop, every collective answered locally."""
+        for index in range(min(self.warmup, total)):
+            self._begin()
+            yield index
+        # the sandbox's optimizer steps changed the state: it is overwritten on promotion
+        if self.channel is None:
+            return
+        while True:
+            message = self.channel.wait(timeout=3600.0)
+            if message is None:
+                raise SystemExit(0)  # the agent is gone or never promoted us: nothing to do
+            if message["type"] == "prepare":
+                spec = GroupSpec.from_message(message)
+                self._promote(spec)
+                return
+
+    def _promote(self, spec: GroupSpec) -> None:
+        started = time.monotonic()
+        group = build_group(spec, self.group_timeout)
+        self.channel.send("ready", gen=spec.gen)
+        built = time.monotonic()
+        self.identity = dataclasses.replace(self.identity, rank=spec.rank, world_size=spec.world_size,
+                                            role="active", generation=spec.gen)
+        self.group = group
+        result = exchange_state(group, self._tracked, -1, self.group_timeout)
+        self.step = result.step
+        self._record_switch(spec.gen, started, built, result)
+
+    def _follow_agent(self) -> None:
+        """Handle the agent's messages at a step boundary, without blocking."""
+        if self.channel is None:
+            return
+        while (message := self.channel.poll()) is not None:
+            self._on_message(message)
+
+    def _on_message(self, message: dict[str, Any]) -> None:
+        if message["type"] == "leave":
+            self._leave_gen = int(message["gen"])
+        elif message["type"] == "prepare":
+            spec = GroupSpec.from_message(message)
+            if spec.gen > self.generation and (self._next is None or spec.gen > self._next.spec.gen):
+                self._next = NextGroup(spec, self.group_timeout,
+                                       lambda s: self.channel.send("ready", gen=s.gen))
+
+    def _switch_generation(self) -> None:
+        """Phase 2: every rank voted ready after a committed step; move to the next group."""
+        if self._leave_gen:
+            self.channel.send("switched", gen=self._leave_gen, step=self.step, stall=0.0)
+            self.group.close()
+            raise SystemExit(0)  # this rank's place is taken; its state lives on in the replicas
+        started = time.monotonic()
+        pending = self._next
+        assert pending is not None
+        group = pending.wait(self.group_timeout)
+        self._adopt(pending.spec, group, started, started)
+
+    def _recover(self) -> None:
+        """The group broke: tell the agent, wait for the next generation, rebuild, re-sync state."""
+        started = time.monotonic()
+        self.channel.send("broken", gen=self.generation, step=self.step, error=str(self._error)[:500])
+        deadline = started + self.recover_timeout
+        while time.monotonic() < deadline:
+            pending = self._next
+            if pending is None or pending.spec.gen <= self.generation:
+                message = self.channel.wait(timeout=max(0.0, deadline - time.monotonic()))
+                if message is None:
+                    break
+                self._on_message(message)
+                continue
+            try:
+                group = pending.wait(max(0.0, deadline - time.monotonic()))
+            except (TimeoutError, RuntimeError):
+                if self._next is pending:
+                    self._next = None  # wait for a newer plan
+                continue
+            built = time.monotonic()
+            try:
+                self._adopt(pending.spec, group, started, built)
+                return
+            except RuntimeError:
+                if self._next is pending:
+                    self._next = None
+                continue
+        raise StepFailed(f"step {self.step}: the group broke and no new generation came within "
+                         f"{self.recover_timeout:g} s: {self._error}")
+
+    def _adopt(self, spec: GroupSpec, group: RealGroup, started: float, built: float) -> None:
+        result = exchange_state(group, self._tracked, self.step, self.group_timeout)
+        old = self.group
+        self.group = group
+        self.identity = dataclasses.replace(self.identity, rank=spec.rank, world_size=spec.world_size,
+                                            generation=spec.gen)
+        self.step = result.step
+        self._next = None
+        old.close()
+        self._record_switch(spec.gen, started, built, result)
+
+    def _record_switch(self, gen: int, started: float, built: float, result: Exchange) -> None:
+        now = time.monotonic()
+        record = {"gen": gen, "step": self.step, "build": round(built - started, 4),
+                  "transfer": round(now - built, 4), "stall": round(now - started, 4),
+                  "bytes_received": result.bytes_received, "sources": list(result.sources)}
+        self.swaps.append(record)
+        if self.channel is not None:
+            self.channel.send("switched", **record)
+
+    def _report_progress(self, step_time: float) -> None:
+        now = time.monotonic()
+        if self.channel is not None and now - self._last_progress >= 1.0:
+            self._last_progress = now
+            self.channel.send("progress", step=self.step, step_time=round(step_time, 4))
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -174,21 +328,28 @@ class Run:
 
     def finish(self) -> None:
         self.group.close()
+        if self.channel is not None:
+            self.channel.close()
 
 
 def init(*, timeout: float = 60.0, env: Mapping[str, str] | None = None) -> Run:
     """Join the job as the launcher describes it in the environment."""
-    identity = Identity.from_env(os.environ if env is None else env)
+    env = os.environ if env is None else env
+    identity = Identity.from_env(env)
+    channel = None
+    if env.get("TMRUN_AGENT_SOCKET") and identity.role != "single":
+        channel = AgentChannel(env["TMRUN_AGENT_SOCKET"])
+        channel.send("hello", rank=identity.rank, pid=os.getpid(), role=identity.role)
     if identity.role == "single":
         return Run(identity, SandboxGroup(0, 1))
     if identity.role == "standby":
-        return Run(identity, SandboxGroup(identity.rank, identity.world_size))
+        return Run(identity, SandboxGroup(identity.rank, identity.world_size), channel=channel)
     delta = datetime.timedelta(seconds=timeout)
     is_master = identity.rank == 0 and not identity.agent_store
     store = dist.TCPStore(identity.master_addr, identity.master_port, identity.world_size, is_master,
                           timeout=delta, wait_for_workers=False, multi_tenant=not identity.agent_store)
     prefix = dist.PrefixStore(f"tmrun/gen{identity.generation}", store)
-    return Run(identity, RealGroup(prefix, identity.rank, identity.world_size, delta))
+    return Run(identity, RealGroup(prefix, identity.rank, identity.world_size, delta), channel=channel)
 
 
 __all__ = ["init", "Run", "StepFailed", "Identity"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 import socket  # noqa: F401  (the sandbox test counts this process's sockets)
 
 import torch
@@ -49,6 +50,7 @@ def main() -> None:
     parser.add_argument("--plain-ddp", action="store_true", help="torch's own DDP over the default group")
     parser.add_argument("--latch-at", default="")
     parser.add_argument("--exit-at", default="")
+    parser.add_argument("--step-time", type=float, default=0.0, help="simulated compute per step (pacing)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     sockets_before = sockets()
@@ -86,16 +88,19 @@ def main() -> None:
         x, y = _batch(step, run.rank)
         noise = torch.rand(1)  # RNG use inside the step: a retry must see the same value
         F.mse_loss(ddp(x) + 0 * noise, y).backward()
+        if args.step_time:
+            time.sleep(args.step_time)  # workload, so that a test can act while the job runs
         if latch == (step, run.rank) and tried[step] == 1:
             run.latch(RuntimeError("injected"))
         committed = run.commit()
         if committed:
             opt.step()
         opt.zero_grad()
-        emit({"step": step, "committed": committed, "noise": noise.item()})
+        emit({"step": step, "committed": committed, "noise": noise.item(), "rank": run.rank, "pid": os.getpid(),
+              "gen": run.generation, "role": run.role})
     if run.is_main:
         torch.save(model.state_dict(), args.out)
-    emit({"done": True, "role": run.role, "bytes_sent": run.group.bytes_sent,
+    emit({"done": True, "role": run.role, "rank": run.rank, "pid": os.getpid(), "swaps": run.swaps, "bytes_sent": run.group.bytes_sent,
                       "answered": run.group.answered, "new_connections": sockets() - sockets_before})
     run.finish()
 

@@ -1,0 +1,193 @@
+"""Moving a rank: build the next generation's group, then bring every member to the same state.
+
+Phase 1 (:class:`NextGroup`): the group of the next generation is built in a background thread
+while training goes on (or at once, when there is nothing else to do).
+
+Phase 2 (:func:`exchange_state`), on the new group, at a step boundary every member reached:
+
+1. every rank tells the others its committed step count (a joiner says -1);
+2. the ranks at the highest count are the *sources*; every other rank is a *receiver*;
+3. each tracked tensor ``i`` travels from source ``i mod len(sources)`` to every receiver, all
+   sends and receives in flight at once (striped over the replicas), straight into the
+   receiver's own tensors: nothing is copied on the sources (zero memory overhead);
+4. the non-tensor leaves (learning rates, step counters kept as numbers) follow as one JSON blob
+   from the first source.
+
+For data parallelism every surviving rank holds a full replica, so this serves a drain (the
+joiner replaces the leaver), a failure (the joiner replaces a dead rank) and a survivor that
+missed the last commit alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import threading
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from tmrun.groups import RealGroup
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupSpec:
+    """What the agent said about the next generation (a ``prepare`` message)."""
+
+    gen: int
+    rank: int
+    world_size: int
+    store_host: str
+    store_port: int
+    mode: str  # agreed | now
+
+    @classmethod
+    def from_message(cls, message: dict[str, Any]) -> "GroupSpec":
+        return cls(int(message["gen"]), int(message["rank"]), int(message["world_size"]),
+                   str(message["store_host"]), int(message["store_port"]), str(message["mode"]))
+
+
+def build_group(spec: GroupSpec, timeout: float) -> RealGroup:
+    delta = datetime.timedelta(seconds=timeout)
+    store = dist.TCPStore(spec.store_host, spec.store_port, spec.world_size, False, timeout=delta,
+                          wait_for_workers=False)
+    return RealGroup(dist.PrefixStore(f"tmrun/gen{spec.gen}", store), spec.rank, spec.world_size, delta)
+
+
+class NextGroup:
+    """The next generation's group, being built in a thread."""
+
+    def __init__(self, spec: GroupSpec, timeout: float, on_ready: Callable[[GroupSpec], None]) -> None:
+        self.spec = spec
+        self.group: RealGroup | None = None
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._build, args=(timeout, on_ready), daemon=True,
+                                        name=f"tmrun-build-gen{spec.gen}")
+        self._thread.start()
+
+    def _build(self, timeout: float, on_ready: Callable[[GroupSpec], None]) -> None:
+        try:
+            self.group = build_group(self.spec, timeout)
+            on_ready(self.spec)
+        except BaseException as exc:  # reported, never raised in a thread
+            self.error = exc
+        finally:
+            self._done.set()
+
+    @property
+    def ready(self) -> bool:
+        return self._done.is_set() and self.group is not None
+
+    def wait(self, timeout: float | None = None) -> RealGroup:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"group of generation {self.spec.gen} not built within {timeout} s")
+        if self.group is None:
+            raise RuntimeError(f"building the group of generation {self.spec.gen} failed: {self.error}")
+        return self.group
+
+
+def flatten(state: Any, path: str = "") -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
+    """Tensors (in a deterministic order) and JSON-able leaves of a nested state_dict."""
+    tensors: list[tuple[str, torch.Tensor]] = []
+    leaves: dict[str, Any] = {}
+    if isinstance(state, torch.Tensor):
+        tensors.append((path, state))
+    elif isinstance(state, dict):
+        for key, value in state.items():
+            sub_t, sub_l = flatten(value, f"{path}/{key}")
+            tensors += sub_t
+            leaves.update(sub_l)
+    elif isinstance(state, (list, tuple)):
+        for index, value in enumerate(state):
+            sub_t, sub_l = flatten(value, f"{path}[{index}]")
+            tensors += sub_t
+            leaves.update(sub_l)
+    else:
+        leaves[path] = state
+    return tensors, leaves
+
+
+def _signature(tensors: list[tuple[str, torch.Tensor]]) -> int:
+    text = ";".join(f"{p}:{tuple(t.shape)}:{t.dtype}" for p, t in tensors)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:6], "big")
+
+
+def _assign(state: Any, leaves: dict[str, Any], path: str = "") -> Any:
+    """``state`` with its non-tensor leaves replaced by ``leaves`` (tensors untouched)."""
+    if isinstance(state, torch.Tensor):
+        return state
+    if isinstance(state, dict):
+        return {k: _assign(v, leaves, f"{path}/{k}") for k, v in state.items()}
+    if isinstance(state, list):
+        return [_assign(v, leaves, f"{path}[{i}]") for i, v in enumerate(state)]
+    if isinstance(state, tuple):
+        return tuple(_assign(v, leaves, f"{path}[{i}]") for i, v in enumerate(state))
+    return leaves.get(path, state)
+
+
+@dataclasses.dataclass(frozen=True)
+class Exchange:
+    step: int  # the committed step count everybody continues from
+    sources: tuple[int, ...]
+    receivers: tuple[int, ...]
+    bytes_received: int
+
+
+def exchange_state(group: RealGroup, tracked: dict[str, Any], my_step: int, timeout: float) -> Exchange:
+    """Phase 2 on the new group: agree on the step, then stream state from sources to receivers."""
+    states = {name: obj.state_dict() for name, obj in tracked.items()}
+    tensors, leaves = flatten(states)
+    header = torch.tensor([my_step, _signature(tensors)], dtype=torch.int64)
+    everyone = group.all_gather(header)
+    steps = [int(h[0]) for h in everyone]
+    if len({int(h[1]) for h in everyone if int(h[0]) >= 0} | {int(header[1])}) != 1:
+        raise RuntimeError("tracked state differs in structure between ranks; was the same model built everywhere?")
+    top = max(steps)
+    sources = tuple(r for r, s in enumerate(steps) if s == top)
+    receivers = tuple(r for r, s in enumerate(steps) if s != top)
+    me = group.rank
+    received = 0
+    if receivers:
+        works = []
+        for index, (_, tensor) in enumerate(tensors):
+            src = sources[index % len(sources)]
+            for dst in receivers:
+                if me == src:
+                    works.append(group.send(tensor, dst, index))
+                elif me == dst:
+                    works.append(group.recv(tensor, src, index))
+                    received += tensor.numel() * tensor.element_size()
+        for work in works:
+            work.wait()
+        blob = _leaf_blob(group, leaves, sources[0], receivers, len(tensors))
+        if me in receivers:
+            for name, obj in tracked.items():
+                mine = {k[len(f"/{name}"):]: v for k, v in blob.items() if k.startswith(f"/{name}/")}
+                if not isinstance(obj, torch.nn.Module):
+                    obj.load_state_dict(_assign(states[name], mine))
+    return Exchange(top, sources, receivers, received)
+
+
+def _leaf_blob(group: RealGroup, leaves: dict[str, Any], src: int, receivers: tuple[int, ...], tag0: int) -> dict:
+    me = group.rank
+    if me == src:
+        data = json.dumps(leaves).encode()
+        length = torch.tensor([len(data)], dtype=torch.int64)
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        works = []
+        for dst in receivers:
+            works += [group.send(length, dst, tag0), group.send(payload, dst, tag0 + 1)]
+        for work in works:
+            work.wait()
+        return leaves
+    if me in receivers:
+        length = torch.zeros(1, dtype=torch.int64)
+        group.recv(length, src, tag0).wait()
+        payload = torch.empty(int(length.item()), dtype=torch.uint8)
+        group.recv(payload, src, tag0 + 1).wait()
+        return json.loads(bytes(payload.tolist()).decode())
+    return leaves
