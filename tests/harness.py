@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from agent.changes import Changes
+from agent.errors import JobNotFound
 from agent.etcd_store import EtcdStore, parse_endpoint
 from agent.keys import JobKeys
 from tmrun import admin
@@ -153,8 +154,11 @@ def wait_status(ref, predicate: Callable[[dict], bool], timeout: float) -> dict:
             try:
                 while True:
                     seen = changes.version
-                    doc = await admin.status(store, ref.job)
-                    if predicate(doc):
+                    try:
+                        doc = await admin.status(store, ref.job)
+                    except JobNotFound:  # no agent has registered yet
+                        doc = None
+                    if doc is not None and predicate(doc):
                         return doc
                     left = deadline - time.monotonic()
                     if left <= 0:

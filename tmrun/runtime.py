@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from tmrun.channel import AgentChannel
 from tmrun.groups import Group, RealGroup, SandboxGroup
-from tmrun.swap import Exchange, GroupSpec, NextGroup, build_group, exchange_state
+from tmrun.swap import Exchange, GroupSpec, NextGroup, exchange_state
 
 
 class StepFailed(RuntimeError):
@@ -111,6 +111,11 @@ class Run:
     @property
     def generation(self) -> int:
         return self.identity.generation
+
+    @property
+    def pending_generation(self) -> int | None:
+        """The generation being prepared in the background (phase 1), if any."""
+        return self._next.spec.gen if self._next is not None else None
 
     # ------------------------------------------------------------------ state
     def track(self, **objects: Any) -> None:
@@ -209,16 +214,9 @@ class Run:
                 return
 
     def _promote(self, spec: GroupSpec) -> None:
-        started = time.monotonic()
-        group = build_group(spec, self.group_timeout)
-        self.channel.send("ready", gen=spec.gen)
-        built = time.monotonic()
-        self.identity = dataclasses.replace(self.identity, rank=spec.rank, world_size=spec.world_size,
-                                            role="active", generation=spec.gen)
-        self.group = group
-        result = exchange_state(group, self._tracked, -1, self.group_timeout)
-        self.step = result.step
-        self._record_switch(spec.gen, started, built, result)
+        self._on_message({"type": "prepare", **dataclasses.asdict(spec)})
+        self._join_next(time.monotonic(), my_step=-1)
+        self.identity = dataclasses.replace(self.identity, role="active")
 
     def _follow_agent(self) -> None:
         """Handle the agent's messages at a step boundary, without blocking."""
@@ -250,36 +248,39 @@ class Run:
 
     def _recover(self) -> None:
         """The group broke: tell the agent, wait for the next generation, rebuild, re-sync state."""
-        started = time.monotonic()
         self.channel.send("broken", gen=self.generation, step=self.step, error=str(self._error)[:500])
+        self._join_next(time.monotonic(), my_step=self.step)
+
+    def _join_next(self, started: float, my_step: int) -> None:
+        """Build the newest generation the agent announces and exchange state in it.
+
+        A newer ``prepare`` supersedes one still being built (its group may wait for a rank that
+        died meanwhile); a group that fails while state is exchanged is dropped for the next one.
+        """
         deadline = started + self.recover_timeout
         while time.monotonic() < deadline:
             pending = self._next
-            if pending is None or pending.spec.gen <= self.generation:
-                message = self.channel.wait(timeout=max(0.0, deadline - time.monotonic()))
-                if message is None:
-                    break
-                self._on_message(message)
-                continue
-            try:
-                group = pending.wait(max(0.0, deadline - time.monotonic()))
-            except (TimeoutError, RuntimeError):
-                if self._next is pending:
-                    self._next = None  # wait for a newer plan
-                continue
-            built = time.monotonic()
-            try:
-                self._adopt(pending.spec, group, started, built)
-                return
-            except RuntimeError:
-                if self._next is pending:
+            if pending is not None and pending.done:
+                if pending.group is None:
                     self._next = None
-                continue
-        raise StepFailed(f"step {self.step}: the group broke and no new generation came within "
-                         f"{self.recover_timeout:g} s: {self._error}")
+                    continue
+                try:
+                    self._adopt(pending.spec, pending.group, started, time.monotonic(), my_step)
+                    return
+                except RuntimeError:
+                    if self._next is pending:
+                        self._next = None
+                    continue
+            message = self.channel.wait(timeout=0.05 if pending is not None else deadline - time.monotonic())
+            if message is not None:
+                self._on_message(message)
+        raise StepFailed(f"step {self.step}: no working generation came within {self.recover_timeout:g} s "
+                         f"(last error: {self._error})")
 
-    def _adopt(self, spec: GroupSpec, group: RealGroup, started: float, built: float) -> None:
-        result = exchange_state(group, self._tracked, self.step, self.group_timeout)
+    def _adopt(self, spec: GroupSpec, group: RealGroup, started: float, built: float,
+               my_step: int | None = None) -> None:
+        result = exchange_state(group, self._tracked, self.step if my_step is None else my_step,
+                                self.group_timeout)
         old = self.group
         self.group = group
         self.identity = dataclasses.replace(self.identity, rank=spec.rank, world_size=spec.world_size,
@@ -342,7 +343,8 @@ def init(*, timeout: float = 60.0, env: Mapping[str, str] | None = None) -> Run:
         channel.send("hello", rank=identity.rank, pid=os.getpid(), role=identity.role)
     if identity.role == "single":
         return Run(identity, SandboxGroup(0, 1))
-    if identity.role == "standby":
+    if identity.role == "standby":  # not in any generation until promoted
+        identity = dataclasses.replace(identity, generation=0)
         return Run(identity, SandboxGroup(identity.rank, identity.world_size), channel=channel)
     delta = datetime.timedelta(seconds=timeout)
     is_master = identity.rank == 0 and not identity.agent_store

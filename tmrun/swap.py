@@ -33,6 +33,13 @@ import torch.distributed as dist
 from tmrun.groups import RealGroup
 
 
+class StateLost(BaseException):
+    """Every replica of the training state is gone: continuing would train on shadow state.
+
+    A BaseException so that the runtime's retry paths (which catch RuntimeError) cannot swallow it.
+    """
+
+
 @dataclasses.dataclass(frozen=True)
 class GroupSpec:
     """What the agent said about the next generation (a ``prepare`` message)."""
@@ -81,6 +88,10 @@ class NextGroup:
     @property
     def ready(self) -> bool:
         return self._done.is_set() and self.group is not None
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
 
     def wait(self, timeout: float | None = None) -> RealGroup:
         if not self._done.wait(timeout):
@@ -147,6 +158,9 @@ def exchange_state(group: RealGroup, tracked: dict[str, Any], my_step: int, time
     if len({int(h[1]) for h in everyone if int(h[0]) >= 0} | {int(header[1])}) != 1:
         raise RuntimeError("tracked state differs in structure between ranks; was the same model built everywhere?")
     top = max(steps)
+    if top < 0:
+        raise StateLost("no rank of the new generation holds the training state (every replica was lost); "
+                        "the job must restart from a checkpoint")
     sources = tuple(r for r, s in enumerate(steps) if s == top)
     receivers = tuple(r for r, s in enumerate(steps) if s != top)
     me = group.rank

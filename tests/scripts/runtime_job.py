@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import time
 import socket  # noqa: F401  (the sandbox test counts this process's sockets)
 
@@ -51,6 +52,10 @@ def main() -> None:
     parser.add_argument("--latch-at", default="")
     parser.add_argument("--exit-at", default="")
     parser.add_argument("--step-time", type=float, default=0.0, help="simulated compute per step (pacing)")
+    parser.add_argument("--kill-in-allreduce", default="", help="STEP:RANK: SIGKILL right after a gradient "
+                        "bucket's all-reduce was issued")
+    parser.add_argument("--kill-on-prepare", type=int, default=-1, help="RANK: SIGKILL when phase 1 starts")
+    parser.add_argument("--kill-joiner", action="store_true", help="a promoted standby dies at its first step")
     args = parser.parse_args()
     torch.set_num_threads(1)
     sockets_before = sockets()
@@ -58,7 +63,7 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     latch = tuple(map(int, args.latch_at.split(":"))) if args.latch_at else None
-    exit_at = tuple(map(int, args.exit_at.split(":"))) if args.exit_at else None
+    exits = {tuple(map(int, item.split(":"))) for item in args.exit_at.split(",") if item}
 
     if args.plain_ddp:
         import torch.distributed as dist
@@ -80,11 +85,27 @@ def main() -> None:
     run = tmrun.init()
     run.track(model=model, optimizer=opt)
     ddp = run.data_parallel(model)
+    started_as = run.role
+    if args.kill_in_allreduce and run.role == "active":
+        target = tuple(map(int, args.kill_in_allreduce.split(":")))
+        issue = run.group.all_reduce
+
+        def all_reduce_then_die(tensor, op="sum"):
+            future = issue(tensor, op)
+            if (run.step, run.rank) == target and tensor.numel() > 2:  # a gradient bucket, not the vote
+                os.kill(os.getpid(), signal.SIGKILL)
+            return future
+
+        run.group.all_reduce = all_reduce_then_die
     tried: dict[int, int] = {}
     for step in run.steps(total=args.steps):
         tried[step] = tried.get(step, 0) + 1
-        if exit_at == (step, run.rank):
-            os._exit(17)
+        if (step, run.rank) in exits and run.generation <= 1 and started_as == "active":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if args.kill_on_prepare == run.rank and run.pending_generation is not None and started_as == "active":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if args.kill_joiner and started_as == "standby" and run.role == "active" and run.generation == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
         x, y = _batch(step, run.rank)
         noise = torch.rand(1)  # RNG use inside the step: a retry must see the same value
         F.mse_loss(ddp(x) + 0 * noise, y).backward()
