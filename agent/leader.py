@@ -144,7 +144,7 @@ class Leader:
             slots = {m: cluster.nodes[m].slots for m in decision.members}
             new_plan = Plan(gen, decision.members, slots, host, port, self._cfg.node, decision.reason,
                             decision.restarts, decision.in_place_restarts, dict(decision.out), self._wall(),
-                            decision.hot, decision.mode)
+                            decision.hot, decision.mode, decision.joiners)
             written = await self._store.replace(self._keys.plan, new_plan.to_dict(),
                                                 mod_revision=plan_entry.mod_revision if plan_entry else 0)
             if not written:

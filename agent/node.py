@@ -184,6 +184,12 @@ class NodeAgent:
                 await self._report(RunState(plan.gen, "idle", at=time.time()))
             return False
         if node in plan.members:
+            if self._group_gen != plan.gen and plan.mode.startswith("swap") and not running \
+                    and self._run.state == "succeeded" and node not in plan.joiners:
+                # the swap came after this node's last step: nothing to switch, the work is done
+                self._group_gen = plan.gen
+                await self._report(dataclasses.replace(self._run, gen=plan.gen, at=time.time()))
+                return False
             if self._group_gen != plan.gen:
                 if plan.mode.startswith("swap") and running:
                     self._prepare(plan)  # hot swap: keep the workers, hand them the next generation

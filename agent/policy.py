@@ -103,6 +103,7 @@ class Decision:
     kind: str = ""  # event kind for the history: start, failure, drain, scale-up, ...
     hot: bool = False
     mode: str = "restart"
+    joiners: tuple[str, ...] = ()
 
 
 def quorum_reached(cluster: Cluster, limits: Limits) -> bool:
@@ -126,6 +127,12 @@ def decide(cluster: Cluster, limits: Limits, clock: Clock) -> Decision:
     if all(_run(cluster, m).gen == plan.gen and _run(cluster, m).state == "succeeded" for m in plan.members):
         return Decision(Action.FINISH, f"all {len(plan.members)} nodes finished generation {plan.gen}",
                         outcome="succeeded", kind="succeeded")
+    holders = [m for m in plan.members if m not in plan.joiners]
+    if plan.joiners and holders and all(_run(cluster, m).gen == plan.gen and _run(cluster, m).state == "succeeded"
+                                        for m in holders) \
+            and not any(_run(cluster, j).last_swap.get("gen") == plan.gen for j in plan.joiners):
+        return Decision(Action.FINISH, f"the job's last step ran before {', '.join(plan.joiners)} could switch in: "
+                        f"all {len(holders)} nodes holding the state finished", outcome="succeeded", kind="succeeded")
     failure = _on_failure(cluster, plan, limits, clock)
     if failure is not None:
         return failure
@@ -230,9 +237,10 @@ def _replace(cluster: Cluster, plan: Plan, limits: Limits, clock: Clock,
                         f" and --max-restarts {limits.max_restarts} is used up",
                         outcome="failed", kind="failed")
     swap = plan.hot and not in_place and len(members) == len(plan.members)
+    joiners = tuple(m for m in members if m not in plan.members) if swap else ()
     return Decision(Action.START, "; ".join(notes) + (" (hot swap)" if swap else ""), members=tuple(members),
                     out=out, restarts=plan.restarts + 1, in_place_restarts=in_place_restarts, kind="failure",
-                    hot=plan.hot, mode="swap-now" if swap else "restart")
+                    hot=plan.hot, mode="swap-now" if swap else "restart", joiners=joiners)
 
 
 def _on_request(cluster: Cluster, plan: Plan, limits: Limits, request: Request) -> Decision:
@@ -258,7 +266,7 @@ def _on_request(cluster: Cluster, plan: Plan, limits: Limits, request: Request) 
                            f"and the job is at its minimum size ({limits.min_nodes} nodes)")
         return Decision(Action.START, text, members=tuple(members), out={**plan.out, node: "drained"},
                         answers=(Answer(request.id, "accepted", text),), kind="drain", hot=plan.hot, mode=mode,
-                        **keep)
+                        joiners=(pool[0],) if mode != "restart" else (), **keep)
     if node in cluster.nodes:
         text = f"drain {node}: it was a standby and leaves the pool"
         return Decision(Action.AMEND, text, members=plan.members, out={**plan.out, node: "drained"},

@@ -106,6 +106,7 @@ class Plan(Record):
     created: float = 0.0
     hot: bool = False
     mode: str = "restart"
+    joiners: tuple[str, ...] = ()  # members that join this generation by a swap
 
     @property
     def world_size(self) -> int:
@@ -122,7 +123,7 @@ class Plan(Record):
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Plan":
         plan = super().from_dict(data)
-        return dataclasses.replace(plan, members=tuple(plan.members))
+        return dataclasses.replace(plan, members=tuple(plan.members), joiners=tuple(plan.joiners))
 
 
 @dataclasses.dataclass(frozen=True)

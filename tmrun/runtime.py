@@ -189,6 +189,21 @@ class Run:
             self._report_progress(time.monotonic() - started)
             if self._switch:
                 self._switch_generation()
+        self._finish_pending_switch()
+
+    def _finish_pending_switch(self) -> None:
+        """The last step ran while a swap was prepared: hand the final state to the joiner anyway,
+        so that it ends with the job instead of waiting for a switch that will never be voted."""
+        if self.channel is None or self._leave_gen:
+            return
+        self._follow_agent()
+        pending = self._next
+        if pending is None:
+            return
+        try:
+            self._adopt(pending.spec, pending.wait(self.group_timeout), time.monotonic(), time.monotonic())
+        except (TimeoutError, RuntimeError):
+            self._next = None  # the joiner is gone too: nobody needs the state
 
     def _begin(self) -> None:
         self._error = None
