@@ -15,7 +15,8 @@ from rich.console import Console
 from rich.table import Table
 
 _err = Console(stderr=True, highlight=False, soft_wrap=True)
-_out = Console(highlight=False, soft_wrap=True)
+# Piped output (scripts, logs, tests) gets a wide table instead of rich's 80-column default.
+_out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
 
 
 def error(message: str) -> None:
