@@ -79,6 +79,7 @@ def main() -> None:
             opt.zero_grad()
         if rank == 0:
             torch.save(model.state_dict(), args.out)
+        dist.barrier()  # rank 0 hosts the store: nobody leaves before everybody is done with it
         dist.destroy_process_group()
         return
 
