@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from tests.harness import EXAMPLE, FAST, assert_same_weights, job_ref, run_tmrun, wait_status
+from tests.harness import EXAMPLE, FAST, assert_same_weights, job_ref, run_tmrun
 from tests.test_e2e_launch import PACED, STEPS, reference  # noqa: F401  (module fixture)
 
 pytestmark = pytest.mark.e2e
