@@ -29,6 +29,13 @@ class Timeouts:
     - ``store_retry``: how long etcd errors are retried before the agent gives up.
     - ``standby_fill``: at the first rendezvous, how long nodes started as standbys wait before
       they fill in for regular nodes that did not come.
+    - ``collective``: how long a runtime worker's collective (gloo) waits for its peers before it
+      fails the step; passed to workers as ``TMRUN_COLLECTIVE_TIMEOUT``.
+    - ``progress``: the hang watchdog. A node whose runtime workers committed no step for this
+      long (and did not report a broken group) is hung: its workers are killed and the failure
+      path takes over. 0 turns it off. It must exceed twice ``collective`` (a step's collective and
+      its vote may each time out), so that the peers of a hung rank report a broken group (and are
+      spared) before the hung rank's watchdog fires.
     """
 
     join: float = 600.0
@@ -38,6 +45,8 @@ class Timeouts:
     stop_grace: float = 5.0
     store_retry: float = 20.0
     standby_fill: float = 10.0
+    collective: float = 120.0
+    progress: float = 300.0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -46,6 +55,11 @@ class Timeouts:
                 raise ConfigError(f"timeout {field.name} must be a non-negative number, got {value!r}")
         if self.lease_ttl < 2:
             raise ConfigError(f"lease_ttl must be at least 2 seconds, got {self.lease_ttl}")
+        if self.collective <= 0:
+            raise ConfigError(f"collective_timeout must be positive, got {self.collective}")
+        if self.progress and self.progress <= 2 * self.collective:
+            raise ConfigError(f"progress_timeout ({self.progress:g} s) must exceed twice collective_timeout "
+                              f"({self.collective:g} s), or be 0 to turn the hang watchdog off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +161,8 @@ _TIMEOUT_KEYS = {
     "close_timeout": "stop_grace",
     "store_timeout": "store_retry",
     "standby_fill_timeout": "standby_fill",
+    "collective_timeout": "collective",
+    "progress_timeout": "progress",
 }
 KNOWN_RDZV_CONF = frozenset(_TIMEOUT_KEYS) | {"timeout", "read_timeout", "is_host"}
 
@@ -168,6 +184,8 @@ def timeouts_from_conf(conf: dict[str, str], stop_grace: float | None = None) ->
             raise ConfigError(f"--rdzv-conf timeout={conf['timeout']!r}: expected a number") from None
     if stop_grace is not None and "stop_grace" not in values:
         values["stop_grace"] = stop_grace
+    if "collective" in values and "progress" not in values:
+        values["progress"] = max(Timeouts.progress, 3 * values["collective"])
     if "lease_ttl" in values and "failure_window" not in values:
         values["failure_window"] = values["lease_ttl"] + 1.0
     return Timeouts(**values)

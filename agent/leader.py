@@ -22,6 +22,7 @@ from agent.keys import JobKeys
 from agent.policy import Action, Cluster, Clock, Decision, Limits, NodeView, decide, failure_pending, quorum_reached
 from agent.records import EventRecord, NodeRecord, Outcome, Plan, RecordError, Request
 from agent.store import Entry, Store
+from agent.swap_report import describe, summarize
 
 log = logging.getLogger("tmrun.leader")
 
@@ -66,6 +67,7 @@ class Leader:
         self._limits = Limits(cfg.min_nodes, cfg.max_nodes, cfg.worker.max_restarts, t.join, t.last_call,
                               t.failure_window, t.standby_fill)
         self._tcp_stores: collections.deque = collections.deque(maxlen=3)
+        self._swaps_reported: set[int] = set()
         self.is_leader = False
 
     async def run(self) -> None:
@@ -98,6 +100,7 @@ class Leader:
                 log.warning("%s is no longer the leader", self._cfg.node)
                 return
             cluster, plan_entry = read_cluster(self._keys, entries)
+            await self._report_swap(cluster)
             now = self._clock()
             if quorum_reached(cluster, self._limits):
                 quorum_since = now if quorum_since is None else quorum_since
@@ -142,9 +145,12 @@ class Leader:
                 assert plan is not None
                 host, port = plan.store_host, plan.store_port
             slots = {m: cluster.nodes[m].slots for m in decision.members}
+            out = {node: why for node, why in decision.out.items() if node not in decision.members}
             new_plan = Plan(gen, decision.members, slots, host, port, self._cfg.node, decision.reason,
-                            decision.restarts, decision.in_place_restarts, dict(decision.out), self._wall(),
-                            decision.hot, decision.mode, decision.joiners)
+                            decision.restarts, decision.in_place_restarts, out, self._wall(),
+                            decision.hot, decision.mode, decision.joiners, dict(decision.handover),
+                            decision.requested or (plan.requested if plan and decision.action is Action.AMEND
+                                                   else self._wall()))
             written = await self._store.replace(self._keys.plan, new_plan.to_dict(),
                                                 mod_revision=plan_entry.mod_revision if plan_entry else 0)
             if not written:
@@ -171,6 +177,22 @@ class Leader:
             if request.kind == "drain" and request.node == self._cfg.node and request.state == "pending":
                 return True
         return False
+
+    async def _report_swap(self, cluster: Cluster) -> None:
+        """Write the ``swap`` event once every member committed a step in the swapped-into generation.
+
+        Its key derives from the reported times, so a leader that takes over writes the same key
+        (``create`` keeps the first).
+        """
+        plan = cluster.plan
+        if plan is None or plan.gen in self._swaps_reported:
+            return
+        summary = summarize(plan, {name: view.run for name, view in cluster.nodes.items()})
+        if summary is None:
+            return
+        self._swaps_reported.add(plan.gen)
+        record = EventRecord(summary["at"], "swap", describe(summary), plan.gen, summary)
+        await self._store.create(self._keys.event(int(summary["at"] * 1e9)), record.to_dict())
 
     async def _event(self, decision: Decision, gen: int) -> None:
         record = EventRecord(self._wall(), decision.kind or decision.action.value, decision.reason, gen,

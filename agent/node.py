@@ -9,8 +9,13 @@ One agent per node (per ``node-N`` in a local cluster). Its life::
 Following the plan is level-triggered: on every change the agent reads ``plan`` and ``outcome``;
 if it is a member of a generation it is not running yet, it stops its old workers first (so no
 two generations of this node ever run at once) and starts the new ones; if it is not a member it
-runs none; if the plan says it was drained it leaves. Worker exits are reported in its node key,
-where the leader reads them.
+runs none; if the plan says it was drained it leaves (``rejoining``: it stops its workers and
+stays, a standby again). Worker exits are reported in its node key, where the leader reads them.
+
+With runtime workers it also times the swap (when each worker said ``ready``, ``switched``, and
+committed its first step in the new generation: ``last_swap`` in its node key, from which the
+leader writes the swap's event) and watches for hangs: no committed step for ``progress``
+seconds, without a broken group reported meanwhile, and the workers are killed as hung.
 """
 
 from __future__ import annotations
@@ -63,6 +68,8 @@ class NodeAgent:
         self._shadow = False  # the running workers are a standby's shadow workers
         self._shadow_failed = False
         self._leave_sent = 0
+        self._ready_at: dict[int, float] = {}  # gen -> when the last local worker said ready
+        self._progress_at: float | None = None  # the hang watchdog is armed while this is set
         self._dirty = asyncio.Event()
         own_logs = cfg.worker.log_dir is None
         self._log_root = Path(tempfile.mkdtemp(prefix=f"tmrun-{cfg.node}-")) if own_logs else Path(cfg.worker.log_dir)
@@ -85,7 +92,8 @@ class NodeAgent:
             log.info("%s joined job %s (host %s, %d slots)", self.cfg.node, self.cfg.job_id, self.cfg.host,
                      self.cfg.worker.nproc_per_node)
             leader = Leader(self.cfg, self._store, self._lease, self._changes)
-            background = [asyncio.ensure_future(self._keepalive()), asyncio.ensure_future(leader.run())]
+            background = [asyncio.ensure_future(self._keepalive()), asyncio.ensure_future(leader.run()),
+                          asyncio.ensure_future(self._watchdog())]
             return await self._follow(background)
         except (LeaseLost, StoreError) as exc:
             if isinstance(exc, StoreError) and "lease not found" not in str(exc):
@@ -168,21 +176,26 @@ class NodeAgent:
         """Bring this node in line with ``plan``; True when this node must leave the job."""
         node = self.cfg.node
         running = self._group_wait is not None and not self._group_wait.done()
-        if node in plan.out:
-            if plan.out[node] == "drained":
-                if plan.mode == "swap-agreed" and running and not self._shadow:
-                    if self._leave_sent != plan.gen:  # planned swap: leave at the switch the ranks agree on
-                        self._leave_sent = plan.gen
-                        for pid in self._group.pids:
-                            self._channel.send(pid, "leave", gen=plan.gen)
-                    return False
-                await self._stop_workers()
-                log.info("%s was drained: leaving the job", node)
-                return True
-            await self._stop_workers()
-            if self._run.state != "idle":
-                await self._report(RunState(plan.gen, "idle", at=time.time()))
+        why = plan.out.get(node)
+        if why in ("drained", "rejoining") and plan.mode == "swap-agreed" and running and not self._shadow:
+            if self._leave_sent != plan.gen:  # planned swap: leave at the switch the ranks agree on
+                self._leave_sent = plan.gen
+                self._send_leave(plan)
             return False
+        if why == "drained":
+            await self._stop_workers()
+            log.info("%s was drained: leaving the job", node)
+            return True
+        if why is not None:
+            if not self._shadow:
+                await self._stop_workers()
+            if why != "rejoining":
+                if self._run.state != "idle":
+                    await self._report(RunState(plan.gen, "idle", at=time.time()))
+                return False
+            if self._group is None and self._run.state not in ("idle", "shadow"):
+                log.info("%s left its place and rejoins the pool as a standby", node)
+                await self._report(RunState(plan.gen, "idle", at=time.time()))
         if node in plan.members:
             if self._group_gen != plan.gen and plan.mode.startswith("swap") and not running \
                     and self._run.state == "succeeded" and node not in plan.joiners:
@@ -208,12 +221,24 @@ class NodeAgent:
             await self._report(RunState(plan.gen, "idle", at=time.time()))
         return False
 
+    def _send_leave(self, plan: Plan) -> None:
+        """Tell this node's workers to leave at the agreed switch (handing over to the joiner, if any)."""
+        store = {}
+        if self.cfg.node in plan.handover:
+            store = dict(store_host=plan.store_host, store_port=plan.store_port)
+        for pid in self._group.pids:
+            self._channel.send(pid, "leave", gen=plan.gen, **store)
+        log.info("%s leaves at generation %d's switch%s", self.cfg.node, plan.gen,
+                 f", handing its state to {plan.handover[self.cfg.node]}" if store else "")
+
     def _prepare(self, plan: Plan) -> None:
         offset = plan.rank_offset(self.cfg.node)
         mode = "now" if plan.mode == "swap-now" else "agreed"
+        handover = self.cfg.node in plan.handover.values() and self._shadow
         for local_rank, pid in enumerate(self._group.pids):
             self._channel.send(pid, "prepare", gen=plan.gen, rank=offset + local_rank, world_size=plan.world_size,
-                               store_host=plan.store_host, store_port=plan.store_port, mode=mode)
+                               store_host=plan.store_host, store_port=plan.store_port, mode=mode,
+                               handover=handover)
         log.info("%s: generation %d prepared without restart (%s, ranks %d-%d)", self.cfg.node, plan.gen,
                  plan.mode, offset, offset + len(self._group.pids) - 1)
         self._group_gen, self._shadow = plan.gen, False
@@ -231,15 +256,31 @@ class NodeAgent:
                 self._run = dataclasses.replace(self._run, runtime=True)
                 self._dirty.set()
         elif kind == "progress":
-            self._run = dataclasses.replace(self._run, step=int(message["step"]), step_time=float(message["step_time"]))
+            self._progress_at = time.monotonic()
+            last = self._run.last_swap
+            if last.get("gen") == message.get("gen") and "first_step_at" not in last \
+                    and int(message["step"]) > int(last.get("step", 0)):
+                last = {**last, "first_step_at": time.time()}  # the first committed step after a switch
+            self._run = dataclasses.replace(self._run, step=int(message["step"]), step_time=float(message["step_time"]),
+                                            last_swap=last)
             self._dirty.set()
+        elif kind == "ready":
+            self._ready_at[int(message["gen"])] = time.time()
         elif kind == "switched":
+            self._progress_at = time.monotonic()
             fields = {k: v for k, v in message.items() if k not in ("v", "type")}
+            gen = int(fields.get("gen", 0))
+            previous = self._run.last_swap if self._run.last_swap.get("gen") == gen else {}
+            fields["stall"] = max(float(fields.get("stall", 0.0)), float(previous.get("stall", 0.0)))
+            fields["switched_at"] = time.time()
+            if gen in self._ready_at:
+                fields["ready_at"] = self._ready_at[gen]
             self._run = dataclasses.replace(self._run, last_swap=fields, step=int(fields.get("step", 0)))
             log.info("%s worker %d switched to generation %s at step %s (stall %.3f s)", self.cfg.node, pid,
                      fields.get("gen"), fields.get("step"), float(fields.get("stall", 0.0)))
             self._dirty.set()
         elif kind == "broken":
+            self._progress_at = None  # waiting for the next generation is not a hang
             log.warning("%s worker %d: generation %s broke at step %s: %s", self.cfg.node, pid, message.get("gen"),
                         message.get("step"), str(message.get("error", "")).splitlines()[0][:300])
 
@@ -261,6 +302,7 @@ class NodeAgent:
         await group.start()
         self._group, self._group_gen, self._shadow = group, (0 if standby else plan.gen), standby
         self._hello.clear()
+        self._progress_at = None  # armed by the first committed step: start-up may take long
         self._group_wait = asyncio.ensure_future(group.wait())
         pids = ", ".join(map(str, group.pids))
         if standby:
@@ -304,6 +346,23 @@ class NodeAgent:
         cfg = self.cfg
         return NodeRecord(cfg.node, cfg.host, os.getpid(), cfg.worker.nproc_per_node, cfg.standby_hint,
                           self._joined_at, self._run.to_dict())
+
+    async def _watchdog(self) -> None:
+        """Kill this node's runtime workers when they committed no step for ``progress`` seconds."""
+        limit = self.cfg.timeouts.progress
+        if not limit:
+            return await asyncio.Event().wait()  # off: never ends
+        while True:
+            await asyncio.sleep(min(1.0, limit / 4))
+            since = self._progress_at
+            group = self._group
+            if since is None or group is None or self._shadow or time.monotonic() - since < limit:
+                continue
+            self._progress_at = None
+            log.error("%s: no step committed for %.0f s and no broken group reported: the workers are hung; "
+                      "killing them (pids %s)", self.cfg.node, time.monotonic() - since,
+                      ", ".join(map(str, group.pids)))
+            group.kill_hung()
 
     async def _keepalive(self) -> None:
         """Refresh the lease every third of its TTL; raise LeaseLost once it is gone."""

@@ -18,6 +18,10 @@ Which node takes which place (the rank policy)::
 - An elastic job below MAX grows with nodes that join as regular nodes; nodes started as
   standbys (``--standby``) stay in the pool for failures and drains.
 
+Drains (requests) wait while a swap is in progress (a joiner of the current generation has not
+switched in yet), then are answered in order; a drained node with ``rejoin`` leaves its place and
+comes back to the pool as a standby (``out`` says ``rejoining`` until it is picked again).
+
 Which node is to blame (the culprit rule): a failure in one place usually makes every peer's
 collective fail a moment later, so a plain non-zero exit is ambiguous. A lost lease or a worker
 killed by a signal is taken as the cause at once; otherwise the leader waits ``failure_window``
@@ -104,11 +108,19 @@ class Decision:
     hot: bool = False
     mode: str = "restart"
     joiners: tuple[str, ...] = ()
+    handover: Mapping[str, str] = dataclasses.field(default_factory=dict)  # leaver -> joiner
+    requested: float = 0.0  # wall time of what caused this decision (a request, a failure report)
 
 
 def quorum_reached(cluster: Cluster, limits: Limits) -> bool:
     """Whether enough nodes are up for the first generation (the driver times this)."""
     return len(_eligible(cluster)) >= limits.min_nodes
+
+
+def swap_in_progress(cluster: Cluster, plan: Plan) -> bool:
+    """Whether a live joiner of ``plan`` has not switched into it yet."""
+    return plan.mode.startswith("swap") and any(
+        j in cluster.nodes and _run(cluster, j).last_swap.get("gen") != plan.gen for j in plan.joiners)
 
 
 def failure_pending(cluster: Cluster) -> bool:
@@ -137,6 +149,9 @@ def decide(cluster: Cluster, limits: Limits, clock: Clock) -> Decision:
     if failure is not None:
         return failure
     if cluster.requests:
+        if swap_in_progress(cluster, plan):
+            return Decision(Action.WAIT, f"drain of {cluster.requests[0].node} waits: generation {plan.gen}'s "
+                            f"swap ({', '.join(plan.joiners)} switching in) is in progress")
         return _on_request(cluster, plan, limits, cluster.requests[0])
     if not plan.hot and all(_run(cluster, m).gen == plan.gen and _run(cluster, m).runtime for m in plan.members):
         return Decision(Action.AMEND, f"generation {plan.gen} runs the tmrun runtime: standbys shadow-train, "
@@ -238,18 +253,23 @@ def _replace(cluster: Cluster, plan: Plan, limits: Limits, clock: Clock,
                         outcome="failed", kind="failed")
     swap = plan.hot and not in_place and len(members) == len(plan.members)
     joiners = tuple(m for m in members if m not in plan.members) if swap else ()
+    reported = [_run(cluster, c).at for c in culprits if c not in lost and _run(cluster, c).at]
     return Decision(Action.START, "; ".join(notes) + (" (hot swap)" if swap else ""), members=tuple(members),
                     out=out, restarts=plan.restarts + 1, in_place_restarts=in_place_restarts, kind="failure",
-                    hot=plan.hot, mode="swap-now" if swap else "restart", joiners=joiners)
+                    hot=plan.hot, mode="swap-now" if swap else "restart", joiners=joiners,
+                    requested=min(reported) if reported else 0.0)
 
 
 def _on_request(cluster: Cluster, plan: Plan, limits: Limits, request: Request) -> Decision:
     node = request.node
     if request.kind != "drain":
         return _answer(request, "rejected", f"unknown request kind {request.kind!r}")
-    if node in plan.out:
+    leaving = "rejoining" if request.rejoin else "drained"
+    if plan.out.get(node) == "drained" or (node in plan.out and node not in cluster.nodes):
+        if node in cluster.nodes:
+            return _answer(request, "done", f"{node} is already being drained (generation {plan.gen})")
         return _answer(request, "done", f"{node} already left the job ({plan.out[node]})")
-    keep = dict(restarts=plan.restarts, in_place_restarts=plan.in_place_restarts)
+    keep = dict(restarts=plan.restarts, in_place_restarts=plan.in_place_restarts, requested=request.created)
     if node in plan.members:
         members = list(plan.members)
         pool = _pool(cluster, plan)
@@ -264,14 +284,20 @@ def _on_request(cluster: Cluster, plan: Plan, limits: Limits, request: Request) 
         else:
             return _answer(request, "rejected", f"cannot drain {node}: no standby can take its place "
                            f"and the job is at its minimum size ({limits.min_nodes} nodes)")
-        return Decision(Action.START, text, members=tuple(members), out={**plan.out, node: "drained"},
+        if request.rejoin:
+            text += f"; {node} rejoins the pool as a standby"
+        handover = {node: pool[0]} if mode == "swap-agreed" and cluster.nodes[pool[0]].slots == plan.slots[node] \
+            else {}
+        return Decision(Action.START, text, members=tuple(members), out={**plan.out, node: leaving},
                         answers=(Answer(request.id, "accepted", text),), kind="drain", hot=plan.hot, mode=mode,
-                        joiners=(pool[0],) if mode != "restart" else (), **keep)
+                        joiners=(pool[0],) if mode != "restart" else (), handover=handover, **keep)
     if node in cluster.nodes:
+        if request.rejoin:
+            return _answer(request, "done", f"{node} is a standby already")
         text = f"drain {node}: it was a standby and leaves the pool"
         return Decision(Action.AMEND, text, members=plan.members, out={**plan.out, node: "drained"},
                         answers=(Answer(request.id, "accepted", text),), kind="drain", hot=plan.hot,
-                        mode=plan.mode, **keep)
+                        mode=plan.mode, joiners=plan.joiners, **keep)
     return _answer(request, "rejected", f"unknown node {node!r}")
 
 
@@ -286,8 +312,9 @@ def _eligible(cluster: Cluster) -> list[NodeView]:
 
 
 def _pool(cluster: Cluster, plan: Plan) -> list[str]:
-    """Standbys in join order: alive, not training, not out."""
-    nodes = [n for n in cluster.nodes.values() if n.name not in plan.members and n.name not in plan.out]
+    """Standbys in join order: alive, not training, not out (a rejoining node once it stopped training)."""
+    nodes = [n for n in cluster.nodes.values() if n.name not in plan.members
+             and (n.name not in plan.out or (plan.out[n.name] == "rejoining" and n.run.state in ("idle", "shadow")))]
     return [n.name for n in sorted(nodes, key=lambda n: n.order)]
 
 

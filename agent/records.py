@@ -107,6 +107,8 @@ class Plan(Record):
     hot: bool = False
     mode: str = "restart"
     joiners: tuple[str, ...] = ()  # members that join this generation by a swap
+    handover: dict[str, str] = dataclasses.field(default_factory=dict)  # leaver -> the joiner it hands over to
+    requested: float = 0.0  # wall time of the request or failure report that led to this generation
 
     @property
     def world_size(self) -> int:
@@ -145,6 +147,7 @@ class Request(Record):
     state: str = "pending"
     answer: str = ""
     gen: int = 0
+    rejoin: bool = False  # the drained node comes back to the pool as a standby
 
 
 @dataclasses.dataclass(frozen=True)

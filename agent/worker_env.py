@@ -44,6 +44,7 @@ def worker_env(base: Mapping[str, str], cfg: AgentConfig, plan: Plan, local_rank
         "TMRUN_JOB_ID": cfg.job_id,
         "TMRUN_NODE": cfg.node,
         "TMRUN_GENERATION": str(plan.gen),
+        "TMRUN_COLLECTIVE_TIMEOUT": f"{cfg.timeouts.collective:g}",
     })
     if "OMP_NUM_THREADS" not in base and nproc > 1:
         env["OMP_NUM_THREADS"] = "1"  # torchrun's default, so that results match it

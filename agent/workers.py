@@ -117,6 +117,10 @@ class WorkerGroup:
             _signal_groups([p for p in alive if p.returncode is None], signal.SIGKILL)
             await asyncio.gather(*(p.wait() for p in alive))
 
+    def kill_hung(self) -> None:
+        """SIGKILL every worker, as a failure (the hang watchdog): the group's result says signal 9."""
+        _signal_groups([p for p in self._procs if p.returncode is None], signal.SIGKILL)
+
     def kill_now(self) -> None:
         """SIGKILL everything at once (fencing: the lease is gone, no grace)."""
         self._stopping = True

@@ -142,8 +142,16 @@ def job_ref(job: "Job", timeout: float = 60.0) -> JobRef:
 
 def wait_status(ref, predicate: Callable[[dict], bool], timeout: float) -> dict:
     """Re-read ``tmrun status`` on every change of the job's keys until ``predicate`` holds."""
+    return _wait_job(ref, admin.status, predicate, timeout)
 
-    async def go() -> dict:
+
+def wait_events(ref, predicate: Callable[[list[dict]], bool], timeout: float) -> list[dict]:
+    """Re-read ``tmrun events`` on every change of the job's keys until ``predicate`` holds."""
+    return _wait_job(ref, admin.events, predicate, timeout)
+
+
+def _wait_job(ref, read, predicate: Callable, timeout: float):
+    async def go():
         store = EtcdStore(parse_endpoint(ref.endpoint), retry_deadline=5)
         keys = JobKeys(ref.job)
         try:
@@ -155,14 +163,14 @@ def wait_status(ref, predicate: Callable[[dict], bool], timeout: float) -> dict:
                 while True:
                     seen = changes.version
                     try:
-                        doc = await admin.status(store, ref.job)
+                        doc = await read(store, ref.job)
                     except JobNotFound:  # no agent has registered yet
                         doc = None
                     if doc is not None and predicate(doc):
                         return doc
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        raise AssertionError(f"status never matched within {timeout} s; last: {doc}")
+                        raise AssertionError(f"{read.__name__} never matched within {timeout} s; last: {doc}")
                     await changes.wait(seen, left)
             finally:
                 await changes.close()

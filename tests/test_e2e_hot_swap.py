@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import FAST, assert_same_weights, job_ref, run_tmrun, wait_status
+from tests.harness import FAST, assert_same_weights, job_ref, run_tmrun, wait_events, wait_status
 
 pytestmark = pytest.mark.e2e
 
@@ -108,6 +108,14 @@ def test_hot_swap_schedule(schedule: Schedule, jobs, tmp_path, references):
         os.kill(target["worker_pids"][0], signal.SIGKILL)
     final = wait_status(ref, lambda d: d["generation"] >= 1 + schedule.swaps or d["state"] != "running", 120)
     job.track()
+    swap = None
+    if final["state"] == "running" and final["mode"].startswith("swap"):  # the swap's event, with its timings
+        gen = final["generation"]
+        found = wait_events(ref, lambda rows: any(r["kind"] == "swap" and r["gen"] == gen for r in rows), 60)
+        swap = next(r for r in found if r["kind"] == "swap" and r["gen"] == gen)["data"]
+        timings = [swap[k] for k in ("plan_written_s", "phase1_done_s", "switched_s", "first_step_s")]
+        assert all(t is not None and t >= 0 for t in timings) and timings == sorted(timings), swap
+        assert swap["stall_s"] <= swap["first_step_s"], swap
     assert job.wait(150) == 0, job.err.text()[-4000:]
     assert final["restarts"] in schedule.failures, final
 
@@ -127,3 +135,10 @@ def test_hot_swap_schedule(schedule: Schedule, jobs, tmp_path, references):
                 and "--exit-at" not in script and "--kill-in-allreduce" not in script:
             assert len(seen) == 1, f"rank {rank} was restarted: pids {seen}"
     assert "started generation 2" not in job.err.text()  # nobody was restarted: generations came by swap
+    if schedule.action == "drain" and not script:  # a planned swap: the leaver handed its state over
+        done = [e for e in _events(job.out.text()) if e.get("done")]
+        joiner = [s for e in done for s in e["swaps"] if s["from_leaver"]]
+        assert joiner and joiner[0]["bytes_received"] == joiner[0]["from_leaver"] > 0, done
+        survivors = [s for e in done for s in e["swaps"] if not s["from_leaver"]]
+        assert survivors and all(s["bytes_received"] == 0 for s in survivors), done
+        assert swap is not None and swap["bytes_from_leaver"] == joiner[0]["from_leaver"], swap

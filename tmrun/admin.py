@@ -67,7 +67,10 @@ def _node_row(name: str, rec: NodeRecord | None, plan: Plan | None, ended: bool)
         role = "left"  # the job has ended and this node's agent is gone
     elif plan is not None and name in plan.out:
         reason = plan.out[name]
-        role = "draining" if reason == "drained" and rec is not None else reason
+        if reason == "rejoining" and rec is not None:
+            role = "standby" if rec.run_state.state in ("idle", "shadow") else "draining"
+        else:
+            role = "draining" if reason == "drained" and rec is not None else reason
     elif plan is not None and name in plan.members:
         role = "active" if rec is not None else "lost"
     elif rec is not None:
@@ -118,8 +121,9 @@ async def known_nodes(store: Store, job: str) -> tuple[set[str], Plan | None]:
 
 
 async def drain(store: Store, job: str, node: str, *, wait: bool, timeout: float,
-                progress: Callable[[str], None]) -> str:
-    """Ask the leader to drain ``node``; with ``wait``, return once the node has left."""
+                progress: Callable[[str], None], rejoin: bool = False) -> str:
+    """Ask the leader to drain ``node``; with ``wait``, return once the node has left the job
+    (with ``rejoin``: once it stopped training and is back in the pool as a standby)."""
     keys = JobKeys(job)
     names, _ = await known_nodes(store, job)
     if node not in names:
@@ -130,7 +134,7 @@ async def drain(store: Store, job: str, node: str, *, wait: bool, timeout: float
     _, revision = await store.get_prefix(keys.root)
     changes = Changes(store, keys.root)
     await changes.start(revision + 1)
-    request = Request(uuid.uuid4().hex[:12], "drain", node, time.time())
+    request = Request(uuid.uuid4().hex[:12], "drain", node, time.time(), rejoin=rejoin)
     try:
         await store.put(keys.request(request.id), request.to_dict())
         progress(f"drain {node}: requested (request {request.id})")
@@ -150,6 +154,9 @@ async def drain(store: Store, job: str, node: str, *, wait: bool, timeout: float
             if answered is not None and await store.get(keys.node(node)) is None:
                 progress(f"{node} has left the job")
                 return answered.answer
+            if answered is not None and rejoin and await _back_in_pool(store, keys, node):
+                progress(f"{node} is back in the pool as a standby")
+                return answered.answer
             if await store.get(keys.outcome) is not None and answered is None:
                 raise TmrunError(f"job {job} ended before the drain was answered")
             left = deadline - time.monotonic()
@@ -159,6 +166,15 @@ async def drain(store: Store, job: str, node: str, *, wait: bool, timeout: float
             await changes.wait(seen, left)
     finally:
         await changes.close()
+
+
+async def _back_in_pool(store: Store, keys: JobKeys, node: str) -> bool:
+    plan_entry, node_entry = await store.get(keys.plan), await store.get(keys.node(node))
+    if plan_entry is None or node_entry is None:
+        return False
+    plan = Plan.from_dict(plan_entry.value)
+    run = NodeRecord.from_dict(node_entry.value).run_state
+    return plan.out.get(node) == "rejoining" and node not in plan.members and run.state in ("idle", "shadow")
 
 
 def run(coro):

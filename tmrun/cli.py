@@ -116,7 +116,8 @@ def launch(
                                  "'default' with an endpoint).")] = "none",
     rdzv_conf: Annotated[str, _opt("--rdzv-conf", "--rdzv_conf", env="PET_RDZV_CONF", panel=RDZV,
                                    help="key=value,...: join_timeout, last_call_timeout, lease_ttl, "
-                                   "failure_window, close_timeout, store_timeout, standby_fill_timeout.")] = "",
+                                   "failure_window, close_timeout, store_timeout, standby_fill_timeout, "
+                                   "collective_timeout, progress_timeout.")] = "",
     local_addr: Annotated[Optional[str], _opt("--local-addr", "--local_addr", env="PET_LOCAL_ADDR", panel=RDZV,
                                               help="Address other nodes use to reach this one.")] = None,
     etcd_cacert: Annotated[Optional[str], _opt("--etcd-cacert", env="TMRUN_ETCD_CACERT", panel=RDZV)] = None,
@@ -351,13 +352,15 @@ def status_cmd(job: JobOpt = None, endpoint: EndpointOpt = None,
 def drain_cmd(node: Annotated[str, typer.Argument(help="Node name, as in tmrun status.")],
               job: JobOpt = None, endpoint: EndpointOpt = None,
               no_wait: Annotated[bool, typer.Option("--no-wait", help="Return once the leader accepted.")] = False,
+              rejoin: Annotated[bool, typer.Option("--rejoin", help="The node comes back to the pool as a standby "
+                                                   "instead of leaving the job.")] = False,
               timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for the node to leave.")] = 600.0,
               store_timeout: TimeoutOpt = 10.0) -> int:
     from tmrun import admin
 
     ref = _job_ref(job, endpoint)
     _admin(ref, store_timeout, lambda store: admin.drain(store, ref.job, node, wait=not no_wait, timeout=timeout,
-                                                         progress=console.info))
+                                                         progress=console.info, rejoin=rejoin))
     return 0
 
 

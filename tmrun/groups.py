@@ -85,13 +85,20 @@ class SandboxGroup(Group):
 
 
 class RealGroup(Group):
-    """A gloo group among ``size`` ranks that rendezvous through ``store``."""
+    """A gloo group among ``size`` ranks that rendezvous through ``store``.
+
+    ``timeout`` bounds a collective (a peer that does not answer fails it); connecting waits at
+    least ``CONNECT_TIMEOUT``, since members of a new generation may start seconds apart.
+    """
+
+    CONNECT_TIMEOUT = datetime.timedelta(seconds=300)
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> None:
         self.rank, self.size = rank, size
         self.bytes_sent = 0
         self.answered = 0
-        self._pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+        self._pg = dist.ProcessGroupGloo(store, rank, size, max(timeout, self.CONNECT_TIMEOUT))
+        self._pg.set_timeout(timeout)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.futures.Future:
         _check_op(op)

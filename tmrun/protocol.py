@@ -8,17 +8,23 @@ never import ``agent``).
 Worker → agent:
 
 - ``hello``     {rank, pid}: this worker runs the tmrun runtime (it can be hot-swapped).
-- ``progress``  {step, step_time}: throttled; shown by ``tmrun status``.
+- ``progress``  {step, step_time, gen}: throttled to one a second, except the first committed step
+  after a switch; shown by ``tmrun status``, and the agent's hang watchdog feeds on it.
 - ``ready``     {gen}: this worker has built the communicator of generation ``gen``.
-- ``switched``  {gen, step, stall}: this worker trains in ``gen`` from ``step`` on.
+- ``switched``  {gen, step, stall, build, transfer, bytes_received, from_leaver, sources,
+  phase1_steps, phase1_step_time, normal_step_time}: this worker trains in ``gen`` from ``step``
+  on; a leaver sends {gen, step, left, bytes_sent, transfer} instead, just before it exits.
 - ``broken``    {gen, step, error}: a collective of ``gen`` failed; the worker waits for a plan.
 
 Agent → worker:
 
-- ``prepare``   {gen, rank, world_size, store_host, store_port, mode}: build the group of
-  ``gen`` (phase 1). ``mode`` is ``agreed`` (switch at a step boundary all ranks vote for) or
-  ``now`` (the current group is broken: switch as soon as the group is built).
-- ``leave``     {gen}: this worker is not part of ``gen``; vote for the switch, then exit 0.
+- ``prepare``   {gen, rank, world_size, store_host, store_port, mode, handover}: build the group
+  of ``gen`` (phase 1). ``mode`` is ``agreed`` (switch at a step boundary all ranks vote for) or
+  ``now`` (the current group is broken: switch as soon as the group is built). ``handover``: this
+  joiner receives its state from the leaver whose rank it takes.
+- ``leave``     {gen[, store_host, store_port]}: this worker is not part of ``gen``; vote for the
+  switch, then exit 0. With a store: first build the handover pair with the joiner that takes
+  this rank and, at the switch, send it the tracked state.
 """
 
 from __future__ import annotations

@@ -24,9 +24,11 @@ these pieces; see docs/design.md for what is built.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
 import os
+import statistics
 import time
 from typing import Any, Iterator, Mapping
 
@@ -35,7 +37,7 @@ import torch.distributed as dist
 
 from tmrun.channel import AgentChannel
 from tmrun.groups import Group, RealGroup, SandboxGroup
-from tmrun.swap import Exchange, GroupSpec, NextGroup, exchange_state
+from tmrun.swap import Exchange, GroupSpec, NextGroup, TakeOver, exchange_state, hand_over
 
 
 class StepFailed(RuntimeError):
@@ -89,7 +91,10 @@ class Run:
         self._rng: torch.Tensor | None = None
         self._next: NextGroup | None = None
         self._leave_gen = 0
+        self._handover: NextGroup | None = None  # a leaver's pair with the joiner taking its rank
+        self._handover_bytes = 0  # what a joiner received from the leaver in the pending switch
         self._last_progress = 0.0
+        self._step_times: collections.deque = collections.deque(maxlen=64)  # (seconds, during phase 1)
 
     # ------------------------------------------------------------------ identity
     @property
@@ -146,7 +151,8 @@ class Run:
         them switch after this step (phase 2 of a planned swap), without any extra round trip.
         """
         ok = self._error is None
-        ready = self._leave_gen > 0 or (self._next is not None and self._next.ready and self._next.spec.mode == "agreed")
+        leaving = self._leave_gen > 0 and (self._handover is None or self._handover.done)
+        ready = leaving or (self._next is not None and self._next.ready and self._next.spec.mode == "agreed")
         votes = torch.tensor([1.0 if ok else 0.0, 1.0 if ready else 0.0])
         try:
             self.group.all_reduce(votes, "sum").wait()
@@ -186,6 +192,7 @@ class Run:
                 continue
             tries = 0
             self.step += 1
+            self._step_times.append((time.monotonic() - started, self._next is not None))
             self._report_progress(time.monotonic() - started)
             if self._switch:
                 self._switch_generation()
@@ -201,7 +208,7 @@ class Run:
         if pending is None:
             return
         try:
-            self._adopt(pending.spec, pending.wait(self.group_timeout), time.monotonic(), time.monotonic())
+            self._adopt(pending.spec, pending.wait(self.recover_timeout), time.monotonic(), time.monotonic())
         except (TimeoutError, RuntimeError):
             self._next = None  # the joiner is gone too: nobody needs the state
 
@@ -229,9 +236,26 @@ class Run:
                 return
 
     def _promote(self, spec: GroupSpec) -> None:
+        started = time.monotonic()
         self._on_message({"type": "prepare", **dataclasses.asdict(spec)})
-        self._join_next(time.monotonic(), my_step=-1)
+        my_step = -1
+        if spec.handover:
+            my_step = self._take_over(spec)
+        self._join_next(started, my_step=my_step)
         self.identity = dataclasses.replace(self.identity, role="active")
+
+    def _take_over(self, spec: GroupSpec) -> int:
+        """Receive the leaver's state in place; -1 when it failed or a newer generation came first."""
+        receiving = TakeOver(spec, self._tracked, self.group_timeout)
+        while not receiving.done:
+            message = self.channel.wait(timeout=0.05)
+            if message is not None:
+                self._on_message(message)
+            if self._next is None or self._next.spec.gen != spec.gen:
+                receiving.abandon()  # superseded: the state will come from the replicas
+                return -1
+        self._handover_bytes = receiving.bytes_received
+        return receiving.step
 
     def _follow_agent(self) -> None:
         """Handle the agent's messages at a step boundary, without blocking."""
@@ -243,6 +267,10 @@ class Run:
     def _on_message(self, message: dict[str, Any]) -> None:
         if message["type"] == "leave":
             self._leave_gen = int(message["gen"])
+            if message.get("store_host") and self._handover is None:
+                pair = GroupSpec(self._leave_gen, 0, 2, str(message["store_host"]), int(message["store_port"]),
+                                 "handover")
+                self._handover = NextGroup(pair, self.group_timeout, lambda s: None, pair_of=self.rank)
         elif message["type"] == "prepare":
             spec = GroupSpec.from_message(message)
             if spec.gen > self.generation and (self._next is None or spec.gen > self._next.spec.gen):
@@ -252,9 +280,18 @@ class Run:
     def _switch_generation(self) -> None:
         """Phase 2: every rank voted ready after a committed step; move to the next group."""
         if self._leave_gen:
-            self.channel.send("switched", gen=self._leave_gen, step=self.step, stall=0.0)
+            started = time.monotonic()
+            sent = 0
+            if self._handover is not None and self._handover.ready:
+                try:
+                    sent = hand_over(self._handover.group, self._tracked, self.step)
+                except RuntimeError:
+                    sent = 0  # the joiner is gone: it (or the next one) takes the state from the replicas
+                self._handover.group.close()
+            self.channel.send("switched", gen=self._leave_gen, step=self.step, stall=0.0, left=True,
+                              bytes_sent=sent, transfer=round(time.monotonic() - started, 4))
             self.group.close()
-            raise SystemExit(0)  # this rank's place is taken; its state lives on in the replicas
+            raise SystemExit(0)  # this rank's place is taken by the joiner
         started = time.monotonic()
         pending = self._next
         assert pending is not None
@@ -307,18 +344,30 @@ class Run:
 
     def _record_switch(self, gen: int, started: float, built: float, result: Exchange) -> None:
         now = time.monotonic()
+        handover, self._handover_bytes = self._handover_bytes, 0
         record = {"gen": gen, "step": self.step, "build": round(built - started, 4),
                   "transfer": round(now - built, 4), "stall": round(now - started, 4),
-                  "bytes_received": result.bytes_received, "sources": list(result.sources)}
+                  "bytes_received": result.bytes_received + handover, "from_leaver": handover,
+                  "sources": list(result.sources), **self._phase1_step_times()}
         self.swaps.append(record)
+        self._last_progress = 0.0  # the first committed step in the new generation is reported at once
         if self.channel is not None:
             self.channel.send("switched", **record)
+
+    def _phase1_step_times(self) -> dict[str, Any]:
+        """Median step time while the next group was built in the background, and otherwise."""
+        during = [t for t, pending in self._step_times if pending]
+        normal = [t for t, pending in self._step_times if not pending]
+        self._step_times.clear()
+        return {"phase1_steps": len(during),
+                "phase1_step_time": round(statistics.median(during), 5) if during else None,
+                "normal_step_time": round(statistics.median(normal), 5) if normal else None}
 
     def _report_progress(self, step_time: float) -> None:
         now = time.monotonic()
         if self.channel is not None and now - self._last_progress >= 1.0:
             self._last_progress = now
-            self.channel.send("progress", step=self.step, step_time=round(step_time, 4))
+            self.channel.send("progress", step=self.step, step_time=round(step_time, 4), gen=self.generation)
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -352,6 +401,7 @@ def init(*, timeout: float = 60.0, env: Mapping[str, str] | None = None) -> Run:
     """Join the job as the launcher describes it in the environment."""
     env = os.environ if env is None else env
     identity = Identity.from_env(env)
+    collective = float(env.get("TMRUN_COLLECTIVE_TIMEOUT", "120"))
     channel = None
     if env.get("TMRUN_AGENT_SOCKET") and identity.role != "single":
         channel = AgentChannel(env["TMRUN_AGENT_SOCKET"])
@@ -360,13 +410,15 @@ def init(*, timeout: float = 60.0, env: Mapping[str, str] | None = None) -> Run:
         return Run(identity, SandboxGroup(0, 1))
     if identity.role == "standby":  # not in any generation until promoted
         identity = dataclasses.replace(identity, generation=0)
-        return Run(identity, SandboxGroup(identity.rank, identity.world_size), channel=channel)
+        return Run(identity, SandboxGroup(identity.rank, identity.world_size), channel=channel,
+                   group_timeout=collective)
     delta = datetime.timedelta(seconds=timeout)
     is_master = identity.rank == 0 and not identity.agent_store
     store = dist.TCPStore(identity.master_addr, identity.master_port, identity.world_size, is_master,
                           timeout=delta, wait_for_workers=False, multi_tenant=not identity.agent_store)
     prefix = dist.PrefixStore(f"tmrun/gen{identity.generation}", store)
-    return Run(identity, RealGroup(prefix, identity.rank, identity.world_size, delta), channel=channel)
+    group = RealGroup(prefix, identity.rank, identity.world_size, datetime.timedelta(seconds=collective))
+    return Run(identity, group, channel=channel, group_timeout=collective)
 
 
 __all__ = ["init", "Run", "StepFailed", "Identity"]

@@ -16,6 +16,12 @@ Phase 2 (:func:`exchange_state`), on the new group, at a step boundary every mem
 For data parallelism every surviving rank holds a full replica, so this serves a drain (the
 joiner replaces the leaver), a failure (the joiner replaces a dead rank) and a survivor that
 missed the last commit alike.
+
+A planned swap goes one better (:func:`hand_over` / :class:`TakeOver`): the leaver and the joiner
+that takes its rank build a two-rank *handover* group in phase 1, and at the switch the leaver
+streams its own tracked state straight into the joiner's tensors (one pair per local rank, all
+pairs at once), so the joiner enters the new generation as a source and the survivors send
+nothing. If the leaver is gone before it could hand over, the joiner falls back to the replicas.
 """
 
 from __future__ import annotations
@@ -49,26 +55,40 @@ class GroupSpec:
     world_size: int
     store_host: str
     store_port: int
-    mode: str  # agreed | now
+    mode: str  # agreed | now | handover
+    handover: bool = False  # a joiner: the leaver whose rank it takes hands its state over
 
     @classmethod
     def from_message(cls, message: dict[str, Any]) -> "GroupSpec":
         return cls(int(message["gen"]), int(message["rank"]), int(message["world_size"]),
-                   str(message["store_host"]), int(message["store_port"]), str(message["mode"]))
+                   str(message["store_host"]), int(message["store_port"]), str(message["mode"]),
+                   bool(message.get("handover", False)))
+
+    @property
+    def prefix(self) -> str:
+        return f"tmrun/gen{self.gen}"
+
+    def handover_pair(self, me: int) -> "GroupSpec":
+        """The two-rank group in which the leaver (0) of rank ``self.rank`` hands over to the joiner (1)."""
+        return GroupSpec(self.gen, me, 2, self.store_host, self.store_port, "handover")
 
 
-def build_group(spec: GroupSpec, timeout: float) -> RealGroup:
+def build_group(spec: GroupSpec, timeout: float, pair_of: int | None = None) -> RealGroup:
+    """Connect to the generation's store and build its group (``pair_of``: a handover pair for that rank)."""
     delta = datetime.timedelta(seconds=timeout)
-    store = dist.TCPStore(spec.store_host, spec.store_port, spec.world_size, False, timeout=delta,
-                          wait_for_workers=False)
-    return RealGroup(dist.PrefixStore(f"tmrun/gen{spec.gen}", store), spec.rank, spec.world_size, delta)
+    store = dist.TCPStore(spec.store_host, spec.store_port, spec.world_size, False,
+                          timeout=max(delta, RealGroup.CONNECT_TIMEOUT), wait_for_workers=False)
+    prefix = spec.prefix if pair_of is None else f"{spec.prefix}/handover{pair_of}"
+    return RealGroup(dist.PrefixStore(prefix, store), spec.rank, spec.world_size, delta)
 
 
 class NextGroup:
     """The next generation's group, being built in a thread."""
 
-    def __init__(self, spec: GroupSpec, timeout: float, on_ready: Callable[[GroupSpec], None]) -> None:
+    def __init__(self, spec: GroupSpec, timeout: float, on_ready: Callable[[GroupSpec], None],
+                 pair_of: int | None = None) -> None:
         self.spec = spec
+        self._pair_of = pair_of
         self.group: RealGroup | None = None
         self.error: BaseException | None = None
         self._done = threading.Event()
@@ -78,7 +98,7 @@ class NextGroup:
 
     def _build(self, timeout: float, on_ready: Callable[[GroupSpec], None]) -> None:
         try:
-            self.group = build_group(self.spec, timeout)
+            self.group = build_group(self.spec, timeout, self._pair_of)
             on_ready(self.spec)
         except BaseException as exc:  # reported, never raised in a thread
             self.error = exc
@@ -205,3 +225,69 @@ def _leaf_blob(group: RealGroup, leaves: dict[str, Any], src: int, receivers: tu
         group.recv(payload, src, tag0 + 1).wait()
         return json.loads(bytes(payload.tolist()).decode())
     return leaves
+
+
+def hand_over(group: RealGroup, tracked: dict[str, Any], step: int) -> int:
+    """The leaver's side of a planned swap: send the header, every tensor and the leaves to rank 1."""
+    tensors, leaves = flatten({name: obj.state_dict() for name, obj in tracked.items()})
+    group.send(torch.tensor([step, _signature(tensors)], dtype=torch.int64), 1, 0).wait()
+    works = [group.send(tensor, 1, index + 1) for index, (_, tensor) in enumerate(tensors)]
+    for work in works:
+        work.wait()
+    _leaf_blob(group, leaves, 0, (1,), len(tensors) + 1)
+    return sum(t.numel() * t.element_size() for _, t in tensors)
+
+
+class TakeOver:
+    """The joiner's side of a planned swap, in a thread: build the pair, receive in place.
+
+    ``step`` is the leaver's committed step once everything arrived, -1 when the handover failed
+    or was abandoned (a newer generation superseded this one); the joiner then takes the state
+    from the replicas instead. An abandoned handover never writes into the tracked tensors.
+    """
+
+    def __init__(self, spec: GroupSpec, tracked: dict[str, Any], timeout: float) -> None:
+        self.step = -1
+        self.bytes_received = 0
+        self.error: BaseException | None = None
+        self._abandoned = threading.Event()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(spec, tracked, timeout), daemon=True,
+                                        name=f"tmrun-takeover-gen{spec.gen}")
+        self._thread.start()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def abandon(self) -> None:
+        self._abandoned.set()
+
+    def _run(self, spec: GroupSpec, tracked: dict[str, Any], timeout: float) -> None:
+        group = None
+        try:
+            group = build_group(spec.handover_pair(1), timeout, pair_of=spec.rank)
+            states = {name: obj.state_dict() for name, obj in tracked.items()}
+            tensors, leaves = flatten(states)
+            header = torch.zeros(2, dtype=torch.int64)
+            group.recv(header, 0, 0).wait()
+            if int(header[1]) != _signature(tensors):
+                raise RuntimeError("the leaver's tracked state differs in structure from the joiner's")
+            if self._abandoned.is_set():
+                return
+            works = [group.recv(tensor, 0, index + 1) for index, (_, tensor) in enumerate(tensors)]
+            for work in works:
+                work.wait()
+            blob = _leaf_blob(group, leaves, 0, (1,), len(tensors) + 1)
+            for name, obj in tracked.items():
+                mine = {k[len(f"/{name}"):]: v for k, v in blob.items() if k.startswith(f"/{name}/")}
+                if not isinstance(obj, torch.nn.Module):
+                    obj.load_state_dict(_assign(states[name], mine))
+            self.bytes_received = sum(t.numel() * t.element_size() for _, t in tensors)
+            self.step = int(header[0])
+        except BaseException as exc:  # reported through ``step == -1``, never raised in a thread
+            self.error = exc
+        finally:
+            if group is not None:
+                group.close()
+            self._done.set()
