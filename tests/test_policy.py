@@ -465,3 +465,72 @@ def test_random_events_keep_plan_invariants(seed: int) -> None:
         else:
             pytest.fail(f"the policy never settles (seed {seed})")
     assert sim.starts >= 1 or sim.finished
+
+
+# -- hot swaps: handover, drains during a swap, rejoin -----------------------------------------
+
+
+def hot_plan(members: tuple[str, ...], gen: int = 1, **kw: Any) -> Plan:
+    return dataclasses.replace(plan(members, gen), hot=True, **kw)
+
+
+def switched(view: NodeView, gen: int) -> NodeView:
+    return dataclasses.replace(view, run=dataclasses.replace(view.run, last_swap={"gen": gen, "step": 10}))
+
+
+def test_planned_drain_pairs_the_leaver_with_the_joiner_for_a_handover() -> None:
+    c = cluster(running("a", 1), running("b", 2), node("s", 3, state="shadow"), plan=hot_plan(("a", "b")),
+                requests=(dataclasses.replace(drain("b"), created=12.5),))
+    got = decide(c, FIXED2, T0)
+    assert (got.action, got.mode, got.members, got.joiners) == (Action.START, "swap-agreed", ("a", "s"), ("s",))
+    assert dict(got.handover) == {"b": "s"}
+    assert got.requested == 12.5  # the swap's timings start at the request
+
+
+def test_no_handover_between_nodes_of_different_sizes() -> None:
+    small = dataclasses.replace(node("s", 3, state="shadow"), slots=1)
+    c = cluster(running("a", 1), running("b", 2), small, plan=hot_plan(("a", "b")), requests=(drain("b"),))
+    got = decide(c, FIXED2, T0)
+    assert got.mode == "swap-agreed" and dict(got.handover) == {}  # the state comes from the replicas
+
+
+def test_a_drain_waits_while_a_joiner_has_not_switched_in() -> None:
+    during = hot_plan(("a", "s"), gen=2, mode="swap-agreed", joiners=("s",), out={"b": "drained"})
+    nodes = (running("a", 1, gen=2), running("b", 2, gen=1), running("s", 3, gen=2), node("t", 4, state="shadow"))
+    got = decide(cluster(*nodes, plan=during, requests=(drain("a"),)), FIXED2, T0)
+    assert got.action is Action.WAIT and got.answers == ()
+    assert "in progress" in got.reason and "drain of a waits" in got.reason
+    # once the joiner switched in, the drain goes ahead, with the second standby
+    nodes = nodes[:2] + (switched(nodes[2], 2), nodes[3])
+    got = decide(cluster(*nodes, plan=during, requests=(drain("a"),)), FIXED2, T0)
+    assert got.action is Action.START and got.members == ("t", "s") and got.joiners == ("t",)
+
+
+def test_a_drain_of_a_node_still_leaving_says_so() -> None:
+    during = hot_plan(("a", "s"), gen=2, mode="swap-agreed", joiners=("s",), out={"b": "drained"})
+    nodes = (running("a", 1, gen=2), running("b", 2, gen=1), switched(running("s", 3, gen=2), 2))
+    got = decide(cluster(*nodes, plan=during, requests=(drain("b"),)), FIXED2, T0)
+    assert got.action is Action.ANSWER and got.answers[0].state == "done"
+    assert "already being drained" in got.answers[0].text
+
+
+def test_rejoin_marks_the_leaver_and_returns_it_to_the_pool_once_it_stopped() -> None:
+    request = dataclasses.replace(drain("b"), rejoin=True)
+    c = cluster(running("a", 1), running("b", 2), node("s", 3, state="shadow"), plan=hot_plan(("a", "b")),
+                requests=(request,))
+    got = decide(c, FIXED2, T0)
+    assert dict(got.out) == {"b": "rejoining"} and "rejoins the pool" in got.answers[0].text
+    after = hot_plan(("a", "s"), gen=2, mode="swap-agreed", joiners=("s",), out={"b": "rejoining"})
+    still_training = (switched(running("a", 1, gen=2), 2), running("b", 2, gen=1), switched(running("s", 3, gen=2), 2))
+    got = decide(cluster(*still_training, plan=after, requests=(drain("a"),)), FIXED2, T0)
+    assert got.action is Action.ANSWER and got.answers[0].state == "rejected"  # b is not a standby yet
+    back = still_training[:1] + (node("b", 2, gen=2, state="shadow"),) + still_training[2:]
+    got = decide(cluster(*back, plan=after, requests=(drain("a"),)), FIXED2, T0)
+    assert got.action is Action.START and got.members == ("b", "s") and got.joiners == ("b",)
+
+
+def test_rejoin_of_a_standby_changes_nothing() -> None:
+    c = cluster(running("a", 1), running("b", 2), node("s", 3, state="shadow"), plan=hot_plan(("a", "b")),
+                requests=(dataclasses.replace(drain("s"), rejoin=True),))
+    got = decide(c, FIXED2, T0)
+    assert got.action is Action.ANSWER and got.answers[0].state == "done" and "standby already" in got.answers[0].text

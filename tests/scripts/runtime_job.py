@@ -55,6 +55,7 @@ def main() -> None:
                         "bucket's all-reduce was issued")
     parser.add_argument("--kill-on-prepare", type=int, default=-1, help="RANK: SIGKILL when phase 1 starts")
     parser.add_argument("--kill-joiner", action="store_true", help="a promoted standby dies at its first step")
+    parser.add_argument("--hang-at", default="", help="STEP:RANK: stop making progress (alive, never returns)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     sockets_before = sockets()
@@ -63,6 +64,7 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     latch = tuple(map(int, args.latch_at.split(":"))) if args.latch_at else None
     exits = {tuple(map(int, item.split(":"))) for item in args.exit_at.split(",") if item}
+    hang = tuple(map(int, args.hang_at.split(":"))) if args.hang_at else None
 
     if args.plain_ddp:
         import torch.distributed as dist
@@ -106,6 +108,10 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         if args.kill_joiner and started_as == "standby" and run.role == "active" and run.generation == 2:
             os.kill(os.getpid(), signal.SIGKILL)
+        if (step, run.rank) == hang and run.generation <= 1 and started_as == "active":
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+            while True:  # a hang: alive, holding its sockets, never reaching the all-reduce
+                signal.pause()
         x, y = _batch(step, run.rank)
         noise = torch.rand(1)  # RNG use inside the step: a retry must see the same value
         F.mse_loss(ddp(x) + 0 * noise, y).backward()
