@@ -69,6 +69,7 @@ class NodeAgent:
         self._shadow_failed = False
         self._leave_sent = 0
         self._ready_at: dict[int, float] = {}  # gen -> when the last local worker said ready
+        self._prepared_at: dict[int, float] = {}  # gen -> when this agent told its workers (phase 1 start)
         self._progress_at: float | None = None  # the hang watchdog is armed while this is set
         self._dirty = asyncio.Event()
         own_logs = cfg.worker.log_dir is None
@@ -235,6 +236,7 @@ class NodeAgent:
         offset = plan.rank_offset(self.cfg.node)
         mode = "now" if plan.mode == "swap-now" else "agreed"
         handover = self.cfg.node in plan.handover.values() and self._shadow
+        self._prepared_at[plan.gen] = time.time()
         for local_rank, pid in enumerate(self._group.pids):
             self._channel.send(pid, "prepare", gen=plan.gen, rank=offset + local_rank, world_size=plan.world_size,
                                store_host=plan.store_host, store_port=plan.store_port, mode=mode,
@@ -275,6 +277,8 @@ class NodeAgent:
             fields["switched_at"] = time.time()
             if gen in self._ready_at:
                 fields["ready_at"] = self._ready_at[gen]
+            if gen in self._prepared_at:
+                fields["prepared_at"] = self._prepared_at[gen]
             self._run = dataclasses.replace(self._run, last_swap=fields, step=int(fields.get("step", 0)))
             log.info("%s worker %d switched to generation %s at step %s (stall %.3f s)", self.cfg.node, pid,
                      fields.get("gen"), fields.get("step"), float(fields.get("stall", 0.0)))

@@ -7,7 +7,8 @@ cost (``stall``, bytes received, step times during phase 1). Once every member h
 step in the new generation, the leader folds these into one event, timed from the request or
 failure report that started the swap (``Plan.requested``)::
 
-    request ─► plan written ─► phase 1 done on all ─► switch on all ─► first committed step on all
+    request ─► plan written ─► phase 1 started on all ─► phase 1 done on all ─► switch on all
+            ─► first committed step on all
 
 Wall-clock times come from different machines' clocks; on one machine (a local cluster) they are
 exact, across machines they are as good as the nodes' clock synchronisation.
@@ -44,6 +45,7 @@ def summarize(plan: Plan, runs: Mapping[str, RunState]) -> dict[str, Any] | None
         "handover": dict(plan.handover),
         "requested": start,
         "plan_written_s": round(plan.created - start, 4),
+        "phase1_started_s": since("prepared_at"),
         "phase1_done_s": since("ready_at"),
         "switched_s": since("switched_at"),
         "first_step_s": since("first_step_at"),

@@ -116,7 +116,8 @@ def test_hot_swap_schedule(schedule: Schedule, jobs, tmp_path, references):
         gen = final["generation"]
         found = wait_events(ref, lambda rows: any(r["kind"] == "swap" and r["gen"] == gen for r in rows), 60)
         swap = next(r for r in found if r["kind"] == "swap" and r["gen"] == gen)["data"]
-        timings = [swap[k] for k in ("plan_written_s", "phase1_done_s", "switched_s", "first_step_s")]
+        timings = [swap[k] for k in ("plan_written_s", "phase1_started_s", "phase1_done_s", "switched_s",
+                                     "first_step_s")]
         assert all(t is not None and t >= 0 for t in timings) and timings == sorted(timings), swap
         if schedule.action == "drain":  # a failure's stall starts before the report (when a peer noticed)
             assert swap["stall_s"] <= swap["first_step_s"], swap
