@@ -52,6 +52,8 @@ def summarize(plan: Plan, runs: Mapping[str, RunState]) -> dict[str, Any] | None
         "stall_s": max(float(s.get("stall", 0.0)) for s in swaps),
         "bytes_moved": sum(int(s.get("bytes_received", 0)) for s in swaps),
         "bytes_from_leaver": sum(int(s.get("from_leaver", 0)) for s in swaps),
+        "handover_s": max(float(s.get("handover_s", 0.0)) for s in swaps),
+        "transfer_s": max(float(s.get("transfer", 0.0)) for s in swaps),
         "phase1_steps": max((int(s.get("phase1_steps", 0)) for s in swaps), default=0),
         "phase1_step_time": max((s["phase1_step_time"] for s in survivors), default=None),
         "normal_step_time": max((s["normal_step_time"] for s in survivors if s.get("normal_step_time")),

@@ -21,6 +21,11 @@ Output (rank 0 only, flushed)::
     ...
     done steps={N} params={count} sha256={hex}
 
+With ``--step-log PATH`` the main rank also appends one JSON line per committed step to PATH
+(``{"v": 1, "t": unix_time, "step": committed_steps, "rank", "pid", "world", "gen"}``) and every
+rank a final ``{"v": 1, "t", "event": "done", "rank", "pid", "maxrss_kb"}``; the benchmarks in
+``bench/`` read these.
+
 ``step`` counts committed optimizer steps (1-based), printed every ``--log-every`` steps and at the
 last one; ``loss`` is that step's batch loss averaged over ranks; ``step_time`` is the mean wall
 time per committed step since the previous line (failed tries included). ``sha256`` covers the
@@ -37,8 +42,10 @@ the number of intra-op threads; ``--threads N`` pins it.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
+import resource
 import sys
 import time
 from pathlib import Path
@@ -95,7 +102,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=_positive_int, default=10, help="log every N steps (default 10)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch intra-op threads (default 0: leave torch's choice)")
+    p.add_argument("--step-log", type=Path, default=None,
+                   help="append one JSON line per committed step here (main rank), and one per rank at the end")
     return p
+
+
+def _append(path: Path | None, record: dict) -> None:
+    """One JSON line in one write(2) with O_APPEND, so that lines of several processes never interleave."""
+    if path is None:
+        return
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps({"v": 1, "t": time.time(), **record}) + "\n").encode())
+    finally:
+        os.close(fd)
 
 
 def _save(state: dict, path: Path) -> None:
@@ -149,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
         if not committed:
             continue
         since += 1
+        if run.is_main:
+            _append(args.step_log, {"step": step + 1, "rank": run.rank, "pid": os.getpid(), "world": run.world_size,
+                                    "gen": run.generation})
         if log_now:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -161,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.out is not None:
             _save(final, args.out)
         log(f"done steps={args.steps} params={n_params} sha256={state_sha256(final)}", flush=True)
+    _append(args.step_log, {"event": "done", "rank": run.rank, "pid": os.getpid(),
+                            "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss})
     run.finish()
     return 0
 

@@ -93,6 +93,7 @@ class Run:
         self._leave_gen = 0
         self._handover: NextGroup | None = None  # a leaver's pair with the joiner taking its rank
         self._handover_bytes = 0  # what a joiner received from the leaver in the pending switch
+        self._handover_seconds = 0.0
         self._last_progress = 0.0
         self._step_times: collections.deque = collections.deque(maxlen=64)  # (seconds, during phase 1)
 
@@ -254,7 +255,7 @@ class Run:
             if self._next is None or self._next.spec.gen != spec.gen:
                 receiving.abandon()  # superseded: the state will come from the replicas
                 return -1
-        self._handover_bytes = receiving.bytes_received
+        self._handover_bytes, self._handover_seconds = receiving.bytes_received, receiving.seconds
         return receiving.step
 
     def _follow_agent(self) -> None:
@@ -345,9 +346,11 @@ class Run:
     def _record_switch(self, gen: int, started: float, built: float, result: Exchange) -> None:
         now = time.monotonic()
         handover, self._handover_bytes = self._handover_bytes, 0
+        handover_s, self._handover_seconds = self._handover_seconds, 0.0
         record = {"gen": gen, "step": self.step, "build": round(built - started, 4),
                   "transfer": round(now - built, 4), "stall": round(now - started, 4),
                   "bytes_received": result.bytes_received + handover, "from_leaver": handover,
+                  "handover_s": round(handover_s, 4),
                   "sources": list(result.sources), **self._phase1_step_times()}
         self.swaps.append(record)
         self._last_progress = 0.0  # the first committed step in the new generation is reported at once

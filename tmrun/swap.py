@@ -31,6 +31,7 @@ import datetime
 import hashlib
 import json
 import threading
+import time
 from typing import Any, Callable
 
 import torch
@@ -249,6 +250,7 @@ class TakeOver:
     def __init__(self, spec: GroupSpec, tracked: dict[str, Any], timeout: float) -> None:
         self.step = -1
         self.bytes_received = 0
+        self.seconds = 0.0  # from the leaver's header to the last byte: the transfer itself
         self.error: BaseException | None = None
         self._abandoned = threading.Event()
         self._done = threading.Event()
@@ -271,6 +273,7 @@ class TakeOver:
             tensors, leaves = flatten(states)
             header = torch.zeros(2, dtype=torch.int64)
             group.recv(header, 0, 0).wait()
+            started = time.monotonic()
             if int(header[1]) != _signature(tensors):
                 raise RuntimeError("the leaver's tracked state differs in structure from the joiner's")
             if self._abandoned.is_set():
@@ -284,6 +287,7 @@ class TakeOver:
                 if not isinstance(obj, torch.nn.Module):
                     obj.load_state_dict(_assign(states[name], mine))
             self.bytes_received = sum(t.numel() * t.element_size() for _, t in tensors)
+            self.seconds = time.monotonic() - started
             self.step = int(header[0])
         except BaseException as exc:  # reported through ``step == -1``, never raised in a thread
             self.error = exc
