@@ -188,7 +188,7 @@ class NodeAgent:
             log.info("%s was drained: leaving the job", node)
             return True
         if why is not None:
-            if not self._shadow:
+            if not (why == "rejoining" and self._shadow):  # a rejoined standby keeps its shadow workers
                 await self._stop_workers()
             if why != "rejoining":
                 if self._run.state != "idle":

@@ -121,6 +121,10 @@ def test_hot_swap_schedule(schedule: Schedule, jobs, tmp_path, references):
         assert all(t is not None and t >= 0 for t in timings) and timings == sorted(timings), swap
         if schedule.action == "drain":  # a failure's stall starts before the report (when a peer noticed)
             assert swap["stall_s"] <= swap["first_step_s"], swap
+            if swap["phase1_step_time"] and swap["normal_step_time"]:  # training went on during phase 1
+                print(f"phase 1: {swap['phase1_steps']} steps of {swap['phase1_step_time']:.3f} s "
+                      f"against {swap['normal_step_time']:.3f} s before")
+                assert swap["phase1_step_time"] <= 2 * swap["normal_step_time"] + 0.05, swap  # loose: 2 cores
     assert job.wait(150) == 0, job.err.text()[-4000:]
     assert final["restarts"] in schedule.failures, final
 

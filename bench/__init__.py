@@ -1,0 +1,1 @@
+"""Benchmarks that run tmrun, torchrun and torchft side by side; see docs/benchmarks.md."""

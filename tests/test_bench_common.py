@@ -1,0 +1,49 @@
+"""The numbers the benchmarks report, computed from step logs (pure logic of bench/common.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import common
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def log(points: list[tuple[float, int]]) -> list[dict]:
+    return [{"t": t, "step": s} for t, s in points]
+
+
+def test_a_hot_swap_loses_only_the_extra_time_of_the_step_it_stalled() -> None:
+    steps = log([(i * 0.1, i) for i in range(1, 41)] + [(4.0 + 0.35, 41)] + [(4.35 + 0.1 * i, 41 + i) for i in range(1, 10)])
+    got = common.interruption(steps, at=4.05)
+    assert (got.last_before, got.resumed_from, got.recomputed) == (40, 40, 0)
+    assert got.median_step == pytest.approx(0.1)
+    assert got.downtime == pytest.approx(0.25)  # a 0.35 s step where 0.1 s was due
+    assert got.continued_after == pytest.approx(0.3)
+
+
+def test_a_restart_from_a_checkpoint_counts_the_recomputed_steps_as_lost_time() -> None:
+    before = [(i * 0.1, i) for i in range(1, 36)]  # killed after step 35; the checkpoint holds step 30
+    after = [(13.5 + 0.1 * i, 30 + i) for i in range(1, 15)]  # 10 s of restart, then steps 31..44 again
+    got = common.interruption(log(before + after), at=3.55)
+    assert (got.last_before, got.resumed_from, got.recomputed) == (35, 30, 5)
+    # new work (step 36) came at 13.5 + 0.6 = 14.1; from step 35 at 3.5 that is 10.6 s for one step
+    assert got.downtime == pytest.approx(10.5)
+    assert got.new_work_after == pytest.approx(14.1 - 3.55)
+
+
+def test_throughput_counts_distinct_steps() -> None:
+    steps = log([(1.0, 1), (2.0, 2), (3.0, 2), (4.0, 3)])
+    assert common.throughput(steps, 0.5, 4.5) == pytest.approx(3 / 4)
+
+
+def test_read_log_skips_torn_lines_and_separates_events(tmp_path: Path) -> None:
+    path = tmp_path / "steps.jsonl"
+    path.write_text(json.dumps({"t": 2.0, "step": 2}) + "\n" + json.dumps({"t": 1.0, "step": 1}) + "\n"
+                    + json.dumps({"t": 3.0, "event": "done", "rank": 0, "maxrss_kb": 2048}) + "\n" + '{"t": 4.0, "st')
+    steps, other = common.read_log(path)
+    assert [r["step"] for r in steps] == [1, 2]
+    assert common.peak_rss_mib(other) == {0: 2.0}
