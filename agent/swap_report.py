@@ -3,7 +3,9 @@
 Every member of a swapped-into generation keeps its side of the swap in ``last_swap`` (see
 :mod:`agent.node`): when its workers had built the new group (``ready_at``), switched to it
 (``switched_at``) and committed their first step in it (``first_step_at``), and what the switch
-cost (``stall``, bytes received, step times during phase 1). Once every member has committed a
+cost (``stall``, bytes received, step times during phase 1). The swap's stall is the longest
+among the members that held the state before (the training the job lost); a joiner's own stall
+runs from its promotion and includes waiting for the switch, and is reported apart. Once every member has committed a
 step in the new generation, the leader folds these into one event, timed from the request or
 failure report that started the swap (``Plan.requested``)::
 
@@ -25,12 +27,14 @@ def summarize(plan: Plan, runs: Mapping[str, RunState]) -> dict[str, Any] | None
     """The swap into ``plan``'s generation, or None while a member has not committed a step in it."""
     if not plan.mode.startswith("swap") or not plan.joiners:
         return None
-    swaps = []
+    swaps, holders = [], []
     for member in plan.members:
         last = runs[member].last_swap if member in runs else {}
         if last.get("gen") != plan.gen or "first_step_at" not in last:
             return None
         swaps.append(last)
+        if member not in plan.joiners:
+            holders.append(last)
     start = plan.requested or plan.created
 
     def since(field: str) -> float | None:
@@ -49,7 +53,9 @@ def summarize(plan: Plan, runs: Mapping[str, RunState]) -> dict[str, Any] | None
         "phase1_done_s": since("ready_at"),
         "switched_s": since("switched_at"),
         "first_step_s": since("first_step_at"),
-        "stall_s": max(float(s.get("stall", 0.0)) for s in swaps),
+        # the job's stall is the holders' (a joiner's own wait for the switch is not lost training)
+        "stall_s": max(float(s.get("stall", 0.0)) for s in holders or swaps),
+        "joiner_stall_s": max((float(s.get("stall", 0.0)) for s in swaps if s not in holders), default=0.0),
         "bytes_moved": sum(int(s.get("bytes_received", 0)) for s in swaps),
         "bytes_from_leaver": sum(int(s.get("from_leaver", 0)) for s in swaps),
         "handover_s": max(float(s.get("handover_s", 0.0)) for s in swaps),

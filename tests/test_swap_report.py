@@ -26,7 +26,7 @@ def test_summary_times_each_phase_from_the_request() -> None:
     assert got is not None
     assert (got["plan_written_s"], got["phase1_started_s"], got["phase1_done_s"], got["switched_s"],
             got["first_step_s"]) == (0.05, 0.06, 1.1, 1.2, 1.4)
-    assert (got["stall_s"], got["bytes_moved"], got["bytes_from_leaver"]) == (0.3, 1000, 1000)
+    assert (got["stall_s"], got["joiner_stall_s"], got["bytes_moved"], got["bytes_from_leaver"]) == (0.1, 0.3, 1000, 1000)
     assert (got["phase1_steps"], got["phase1_step_time"], got["normal_step_time"]) == (6, 0.21, 0.2)
     assert "s switched in" in describe(got) and "from the leaver" in describe(got)
 
