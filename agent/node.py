@@ -227,8 +227,9 @@ class NodeAgent:
         store = {}
         if self.cfg.node in plan.handover:
             store = dict(store_host=plan.store_host, store_port=plan.store_port)
+        rejoin = plan.out.get(self.cfg.node) == "rejoining"  # the workers stay, as warm standbys
         for pid in self._group.pids:
-            self._channel.send(pid, "leave", gen=plan.gen, **store)
+            self._channel.send(pid, "leave", gen=plan.gen, rejoin=rejoin, **store)
         log.info("%s leaves at generation %d's switch%s", self.cfg.node, plan.gen,
                  f", handing its state to {plan.handover[self.cfg.node]}" if store else "")
 
@@ -268,6 +269,13 @@ class NodeAgent:
             self._dirty.set()
         elif kind == "ready":
             self._ready_at[int(message["gen"])] = time.time()
+        elif kind == "switched" and message.get("left"):
+            self._progress_at = None
+            if message.get("rejoin"):  # the leaver's workers are standbys again, warm, in the same processes
+                log.info("%s worker %d left generation %s and waits as a standby", self.cfg.node, pid, message.get("gen"))
+                self._shadow, self._group_gen = True, 0
+                self._run = RunState(0, "shadow", worker_pids=group.pids, at=time.time(), runtime=True)
+                self._dirty.set()
         elif kind == "switched":
             self._progress_at = time.monotonic()
             fields = {k: v for k, v in message.items() if k not in ("v", "type")}

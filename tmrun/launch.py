@@ -64,8 +64,8 @@ async def _supervise_agents(configs: list[AgentConfig], grace: float) -> tuple[l
         loop.add_signal_handler(sig, forward, sig)
     try:
         waits = [asyncio.ensure_future(p.wait()) for p in procs]
-        while not all(w.done() for w in waits):
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        while pending := [w for w in waits if not w.done()]:
+            await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)  # the ones still running only
             if received:
                 try:
                     await asyncio.wait_for(asyncio.gather(*waits), grace + 5)

@@ -13,7 +13,8 @@ Worker → agent:
 - ``ready``     {gen}: this worker has built the communicator of generation ``gen``.
 - ``switched``  {gen, step, stall, build, transfer, bytes_received, from_leaver, sources,
   phase1_steps, phase1_step_time, normal_step_time}: this worker trains in ``gen`` from ``step``
-  on; a leaver sends {gen, step, left, bytes_sent, transfer} instead, just before it exits.
+  on; a leaver sends {gen, step, left, rejoin, bytes_sent, transfer} instead, just before it
+  exits (or, with ``rejoin``, becomes a standby again in the same process).
 - ``broken``    {gen, step, error}: a collective of ``gen`` failed; the worker waits for a plan.
 
 Agent → worker:
@@ -22,8 +23,8 @@ Agent → worker:
   of ``gen`` (phase 1). ``mode`` is ``agreed`` (switch at a step boundary all ranks vote for) or
   ``now`` (the current group is broken: switch as soon as the group is built). ``handover``: this
   joiner receives its state from the leaver whose rank it takes.
-- ``leave``     {gen[, store_host, store_port]}: this worker is not part of ``gen``; vote for the
-  switch, then exit 0. With a store: first build the handover pair with the joiner that takes
+- ``leave``     {gen, rejoin[, store_host, store_port]}: this worker is not part of ``gen``; vote
+  for the switch, then exit 0 (``rejoin``: wait as a standby for the next ``prepare`` instead). With a store: first build the handover pair with the joiner that takes
   this rank and, at the switch, send it the tracked state.
 """
 

@@ -91,6 +91,7 @@ class Run:
         self._rng: torch.Tensor | None = None
         self._next: NextGroup | None = None
         self._leave_gen = 0
+        self._rejoin = False  # a leaver that becomes a standby again instead of exiting
         self._handover: NextGroup | None = None  # a leaver's pair with the joiner taking its rank
         self._handover_bytes = 0  # what a joiner received from the leaver in the pending switch
         self._handover_seconds = 0.0
@@ -227,6 +228,10 @@ class Run:
         # the sandbox's optimizer steps changed the state: it is overwritten on promotion
         if self.channel is None:
             return
+        self._wait_for_promotion()
+
+    def _wait_for_promotion(self) -> None:
+        """Block until the agent promotes this standby (``prepare``), then join that generation."""
         while True:
             message = self.channel.wait(timeout=3600.0)
             if message is None:
@@ -235,6 +240,17 @@ class Run:
                 spec = GroupSpec.from_message(message)
                 self._promote(spec)
                 return
+
+    def _demote(self) -> None:
+        """A leaver that rejoins the pool: become a standby in this process, warm, and wait.
+
+        The model and optimizer stay allocated (they are overwritten on the next promotion), so
+        the node is a warm standby at once, without a new process.
+        """
+        self.group = SandboxGroup(self.rank, self.world_size)
+        self.identity = dataclasses.replace(self.identity, role="standby", generation=0)
+        self._leave_gen, self._handover, self._next, self._rejoin = 0, None, None, False
+        self._wait_for_promotion()
 
     def _promote(self, spec: GroupSpec) -> None:
         started = time.monotonic()
@@ -268,6 +284,7 @@ class Run:
     def _on_message(self, message: dict[str, Any]) -> None:
         if message["type"] == "leave":
             self._leave_gen = int(message["gen"])
+            self._rejoin = bool(message.get("rejoin", False))
             if message.get("store_host") and self._handover is None:
                 pair = GroupSpec(self._leave_gen, 0, 2, str(message["store_host"]), int(message["store_port"]),
                                  "handover")
@@ -290,9 +307,12 @@ class Run:
                     sent = 0  # the joiner is gone: it (or the next one) takes the state from the replicas
                 self._handover.group.close()
             self.channel.send("switched", gen=self._leave_gen, step=self.step, stall=0.0, left=True,
-                              bytes_sent=sent, transfer=round(time.monotonic() - started, 4))
+                              rejoin=self._rejoin, bytes_sent=sent, transfer=round(time.monotonic() - started, 4))
             self.group.close()
-            raise SystemExit(0)  # this rank's place is taken by the joiner
+            if not self._rejoin:
+                raise SystemExit(0)  # this rank's place is taken by the joiner
+            self._demote()  # returns once promoted again, with the job's state and step
+            return
         started = time.monotonic()
         pending = self._next
         assert pending is not None
