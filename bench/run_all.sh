@@ -1,0 +1,13 @@
+#!/bin/bash
+# Every benchmark, one after the other, with the settings docs/benchmarks.md reports.
+# Each takes the lock, so that nothing else this repository starts competes for the cores.
+# Usage: bash bench/run_all.sh   (about 50 minutes on 2 cores; results in bench/results, plots in docs/bench)
+set -u
+cd "$(dirname "$0")/.."
+run() { echo "== python bench/$*"; flock /tmp/tmrun-bench.lock python "bench/$@" || echo "!! bench/$1 failed"; }
+run steady_state.py --sizes 5M
+run planned_migration.py --sizes 5M,50M
+run unplanned_failure.py --sizes 5M,50M
+run transfer_limit.py --sizes 5M,50M
+run control_plane.py
+run rebalancing.py --size 5M --period 30 --rounds 4

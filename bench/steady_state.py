@@ -1,0 +1,642 @@
+"""Steady-state overhead: what running under tmrun costs a job that is never interrupted.
+
+Three runs of the same GPT (same ``--params``, ``--threads 1``, 2 nodes of 1 worker each, same
+batch, same seed), one after the other on this machine, no interruptions:
+
+- ``torchrun+DDP``: ``bench/competitors/torchrun_gpt.py`` under two torchrun agents (c10d
+  rendezvous, plain ``DistributedDataParallel``, no checkpoints);
+- ``tmrun``: ``examples/train_gpt.py`` under a tmrun local cluster, 2 nodes, no standby;
+- ``tmrun+standby``: the same with 1 standby (its shadow workers warm up, then wait).
+
+Measured, in a window of ``--measure`` committed steps that starts after ``--warmup`` steps (and,
+with a standby, once the standby's worker has stopped using CPU: warm and waiting):
+
+- committed steps per second (from the rank-0 step log: ``--measure`` / time between the first and
+  the last step of the window) and the median step time;
+- the peak RSS of each active worker: ``VmHWM`` of the worker processes, read from
+  ``/proc/<pid>/status`` at the end of the window (the same number as ``ru_maxrss``, which
+  ``train_gpt.py`` writes in its ``done`` record; the torchrun script writes none, so every run is
+  measured the same way from outside; the ``done`` records of the standby-free tmrun run are kept
+  as a cross-check).
+
+Ratios against torchrun+DDP, with targets: throughput >= 99 %, peak RSS within +1 %; and "active
+workers hold no second copy of the state for the swap": the actives' peak RSS with a standby
+present within +1 % of without one.
+
+Then, after the window, the ``tmrun+standby`` run drains a non-leader active node ``--drains``
+times (``tmrun drain --rejoin``, so the pool refills) and reads each ``swap`` event: the phase-1
+effect is ``phase1_step_time / normal_step_time``, the survivors' median step time while the next
+group was built in the background against the median before (target <= 1.05, loose: a drain
+overlaps only one or two steps).
+
+The two scripts differ in one collective per step each, and both are small: torchrun_gpt.py
+with ``--step-log`` all-reduces the loss (one float) every step, tmrun's ``commit()`` all-reduces
+its vote (two floats) every step.
+
+Output: a table, ``bench/results/steady_state.json``, ``docs/bench/steady_state.png`` (step time
+over wall clock, one panel per run) and ``bench/results/steady_state.md`` (a section for
+docs/benchmarks.md). ``--quick`` (1M parameters, short windows, suffix ``_quick``) checks that it
+all works in about two minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+for _path in (str(HERE), str(HERE.parent)):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+import common  # noqa: E402
+from competitors import torchrun_job  # noqa: E402
+
+NAME = "steady_state"
+RUNS = ("torchrun+DDP", "tmrun", "tmrun+standby")
+TARGET_THROUGHPUT = 0.99
+TARGET_RSS = 1.01
+TARGET_PHASE1 = 1.05
+DEFAULT_MEASURE = {"5M": 200, "50M": 40}  # window lengths (steps), about a minute each on 2 cores
+
+
+# ------------------------------------------------------------------------------ small helpers
+# (candidates for common.py: the other benchmarks have the same needs)
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors."""
+
+    def error(self, message: str) -> None:  # noqa: D102
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def size_label(text: str) -> str:
+    """``5M``, ``50m``, ``500k``, ``1e6`` -> a label train_gpt.py's --params accepts."""
+    if not re.fullmatch(r"[0-9]*\.?[0-9]+(e[0-9]+)?[kKmMgGbB]?", text.strip()):
+        raise argparse.ArgumentTypeError(f"not a model size: {text!r} (try 5M, 50M, 1M)")
+    return text.strip().upper()
+
+
+def size_list(text: str) -> list[str]:
+    return [size_label(s) for s in text.split(",") if s.strip()]
+
+
+def params_of(label: str) -> int:
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:E[0-9]+)?)([KMGB]?)", label)
+    return round(float(m.group(1)) * {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "B": 1e9}[m.group(2)])
+
+
+def positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
+    return value
+
+
+def nonnegative(text: str) -> int:
+    value = int(text) if text.lstrip("-").isdigit() else -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0: {text!r}")
+    return value
+
+
+def _children() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(entry))
+    return kids
+
+
+def descendants(roots: list[int]) -> list[int]:
+    kids, found, todo = _children(), [], list(roots)
+    while todo:
+        pid = todo.pop()
+        for kid in kids.get(pid, []):
+            found.append(kid)
+            todo.append(kid)
+    return found
+
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _proc_info(pid: int, worker: bool) -> dict | None:
+    """CPU ticks (user + system); for a worker also VmHWM and VmRSS (kB) and its TMRUN_ROLE."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        info = {"cpu": int(fields[11]) + int(fields[12])}
+        if not worker:
+            return info
+        with open(f"/proc/{pid}/status") as f:
+            status = dict(line.split(":", 1) for line in f if ":" in line)
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    except (OSError, ValueError, IndexError):
+        return None
+    if "VmHWM" not in status:
+        return None  # a zombie
+    return {**info, "hwm_kb": int(status["VmHWM"].split()[0]), "rss_kb": int(status["VmRSS"].split()[0]),
+            "role": env.get(b"TMRUN_ROLE", b"active").decode()}
+
+
+def _kind(argv: list[bytes], script: bytes) -> str:
+    head = argv[1:3]  # python -u SCRIPT (a worker), python -m agent / torch.distributed.run (an agent)
+    if script in head:
+        return "worker"
+    if b"agent" in head or b"torch.distributed.run" in head:
+        return "agent"
+    if argv and os.path.basename(argv[0]) == b"etcd":
+        return "etcd"
+    return "other"
+
+
+def _busy_ticks() -> int:
+    """CPU ticks the whole machine spent busy (not idle, not waiting for I/O) since boot."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return sum(fields) - fields[3] - fields[4]
+
+
+class ProcSampler(threading.Thread):
+    """Samples this process and its descendants every ``interval`` s: what kind each process is
+    (worker running ``script``, agent, etcd, other), its CPU time, and for workers the memory;
+    and the machine's busy time, so that CPU used by processes outside this benchmark shows.
+
+    Keeps, per pid, the latest sample and when its CPU time last moved (a warm standby stops).
+    """
+
+    def __init__(self, script: Path, interval: float = 0.5) -> None:
+        super().__init__(daemon=True, name="proc-sampler")
+        self.roots, self.script, self.interval = [os.getpid()], str(script).encode(), interval
+        self.latest: dict[int, dict] = {}
+        self.cpu_moved: dict[int, float] = {}
+        self._lock = threading.Lock()
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.wait(self.interval):
+            self.sample()
+
+    def stop(self) -> None:
+        self._halt.set()
+
+    def sample(self) -> dict[int, dict]:
+        """Sample now; the processes alive now (pid -> {kind, cpu, t, and for workers role, hwm_kb, rss_kb})."""
+        now = time.time()
+        with self._lock:
+            for pid in self.roots + descendants(self.roots):
+                try:  # read every time: an exec wrapper becomes an agent or a worker under the same pid
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        kind = _kind(f.read().split(b"\0"), self.script)
+                except OSError:
+                    continue
+                info = _proc_info(pid, kind == "worker")
+                if info is None:
+                    continue
+                old = self.latest.get(pid)
+                if old is None or old["cpu"] != info["cpu"]:
+                    self.cpu_moved[pid] = now
+                self.latest[pid] = {**info, "kind": kind, "t": now}
+            self.latest[0] = {"kind": "machine", "cpu": _busy_ticks(), "t": now}
+            return {pid: dict(v) for pid, v in self.latest.items() if v["t"] == now}
+
+    def workers(self, snapshot: dict[int, dict], role: str) -> list[dict]:
+        return [v for v in snapshot.values() if v["kind"] == "worker" and v.get("role") == role]
+
+    def wait_quiet(self, pids: list[int], quiet: float, timeout: float, alive) -> float:
+        """Until the processes ``pids`` used no CPU for ``quiet`` s; when they last did."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if alive.poll() is not None:
+                raise RuntimeError(f"the job ended (exit {alive.returncode}) while waiting for a quiet standby")
+            now = self.sample()
+            live = [p for p in pids if p in now]
+            if live and all(time.time() - self.cpu_moved[p] >= quiet for p in live):
+                return max(self.cpu_moved[p] for p in live)
+            time.sleep(0.25)
+        raise TimeoutError(f"the standby workers {pids} did not go idle within {timeout:g} s")
+
+
+class CpuTrace(threading.Thread):
+    """``sampler.sample()`` every ``interval`` s while a drain happens: CPU time per process over time."""
+
+    def __init__(self, sampler: ProcSampler, interval: float = 0.05) -> None:
+        super().__init__(daemon=True, name="cpu-trace")
+        self.sampler, self.interval = sampler, interval
+        self.samples: list[tuple[float, dict[int, dict]]] = []
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            self.samples.append((time.time(), self.sampler.sample()))
+            self._halt.wait(self.interval)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join()
+
+    def cores(self, start: float, end: float, classes: dict[int, str]) -> dict[str, float] | None:
+        """Cores used from ``start`` to ``end`` (widened to the samples around them), per class of
+        process: ``classes`` maps pids to a class; other processes go by their kind (agent, etcd, other)."""
+        before = [x for x in self.samples if x[0] <= start]
+        after = [x for x in self.samples if x[0] >= end]
+        if not before or not after:
+            return None
+        (t0, a), (t1, b) = before[-1], after[0]
+        used: dict[str, float] = {}
+        for pid, v in b.items():
+            if pid == 0:
+                continue
+            name = classes.get(pid, v["kind"] if v["kind"] != "worker" else "other worker")
+            used[name] = used.get(name, 0.0) + (v["cpu"] - a.get(pid, {"cpu": 0})["cpu"]) / CLK_TCK / (t1 - t0)
+        return {k: round(x, 2) for k, x in sorted(used.items())} | {"seconds": round(t1 - t0, 3)}
+
+
+def standby_pids(job: common.TmrunJob, timeout: float) -> list[int]:
+    """The standbys' shadow worker pids, from ``tmrun status`` (a worker's TMRUN_ROLE is the one it
+    started with: after a swap a promoted standby is active and a rejoined leaver a standby)."""
+    status = job.wait_until(lambda d: d["hot_swap"] and any(n["role"] == "standby" and n["state"] == "shadow"
+                                                            and n["worker_pids"] for n in d["nodes"]),
+                            timeout, "a standby with shadow workers")
+    return [p for n in status["nodes"] if n["role"] == "standby" and n["state"] == "shadow" for p in n["worker_pids"]]
+
+
+def cpu_use(before: dict[int, dict], after: dict[int, dict]) -> dict[str, float]:
+    """Cores used between two samples, per kind of process (workers split by role); ``outside``:
+    by processes this benchmark did not start (the machine's busy time less ours)."""
+    seconds = after[0]["t"] - before[0]["t"]
+    used: dict[str, float] = {}
+    for pid, v in after.items():
+        if pid == 0:
+            continue
+        kind = f"worker-{v['role']}" if v["kind"] == "worker" else v["kind"]
+        ticks = v["cpu"] - before.get(pid, {"cpu": 0})["cpu"]
+        used[kind] = used.get(kind, 0.0) + ticks / CLK_TCK / seconds
+    used["outside"] = max(0.0, (after[0]["cpu"] - before[0]["cpu"]) / CLK_TCK / seconds - sum(used.values()))
+    return {k: round(x, 3) for k, x in sorted(used.items())}
+
+
+def first_step_after(path: Path, at: float) -> int:
+    steps, _ = common.read_log(path)
+    return next((r["step"] for r in steps if r["t"] >= at), steps[-1]["step"] + 1)
+
+
+def window_stats(steps: list[dict], first: int, last: int) -> dict:
+    """Steps/s, median step time and its relative standard error between committed steps first..last."""
+    by_step: dict[int, float] = {}
+    for r in steps:
+        by_step.setdefault(r["step"], r["t"])  # a step committed twice counts at its first commit
+    t0, t1 = by_step[first], by_step[last]
+    gaps = [by_step[s + 1] - by_step[s] for s in range(first, last)]
+    return {"first": first, "last": last, "t0": t0, "t1": t1, "steps_per_s": (last - first) / (t1 - t0),
+            "median_step_s": statistics.median(gaps),
+            "rel_stderr": statistics.stdev(gaps) / statistics.mean(gaps) / len(gaps) ** 0.5}
+
+
+def md_table(columns, rows) -> str:
+    return "\n".join(["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"] +
+                     ["| " + " | ".join(common._fmt(v).replace("|", "\\|") for v in row) + " |" for row in rows])
+
+
+def write_markdown(name: str, heading: str, intro: str, columns, rows, targets: list[dict],
+                   images: list[tuple[str, str]], extra: str = "") -> Path:
+    """``bench/results/<name>.md``: a section for docs/benchmarks.md (images relative to docs/)."""
+    lines = [f"## {heading}", "", intro, "", "```", common.command_line(), "```", "", md_table(columns, rows)]
+    lines += ["", extra, ""] if extra else [""]
+    lines += ["| target | measured | met |", "|---|---|---|"]
+    lines += [f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else 'no'}"
+              f"{': ' + t['reason'] if t.get('reason') and not t['met'] else ''} |" for t in targets]
+    lines += [""] + [f"![{alt}](bench/{png})" for alt, png in images] + [""]
+    path = common.RESULTS / f"{name}.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines))
+    return path
+
+
+# ------------------------------------------------------------------------------ the runs
+
+def run_torchrun(size: str, args, wd: Path) -> dict:
+    log = wd / "torchrun-steps.jsonl"
+    total = args.warmup + args.measure_of(size) + 5
+    train = ["--params", size, "--steps", str(total), "--threads", str(args.threads), "--step-log", str(log)]
+    job = torchrun_job.start_job(train, log_dir=wd / "torchrun", max_restarts=0,
+                                 rdzv_id=f"steady-{os.getpid()}")
+    sampler = ProcSampler(torchrun_job.SCRIPT)
+    sampler.start()
+    try:
+        agents = [n.agent for n in job.nodes]
+        common.wait_for_step(log, args.warmup, args.timeout, agents)
+        first, before = args.warmup, sampler.sample()
+        common.wait_for_step(log, first + args.measure_of(size), args.timeout, agents)
+        after = sampler.sample()
+        codes = job.wait(args.timeout)
+    finally:
+        sampler.stop()
+        job.kill()
+    steps, _ = common.read_log(log)
+    return {"steps": steps, "first": first, "last": first + args.measure_of(size), "exit": codes,
+            "active_hwm_kb": sorted(v["hwm_kb"] for v in sampler.workers(after, "active")), "drains": [],
+            "done_maxrss_kb": None, "cpu_cores": cpu_use(before, after)}
+
+
+def run_tmrun(size: str, args, wd: Path, standby: int) -> dict:
+    measure = args.measure_of(size)
+    total = args.warmup + measure + 5 if not standby else 10**7  # the standby run is stopped after its drains
+    job = common.TmrunJob(wd, ["--params", size, "--steps", str(total), "--threads", str(args.threads)],
+                          nnodes=2, standby=standby, name="steady")
+    sampler = ProcSampler(common.GPT)
+    sampler.start()
+    drains, quiet_at = [], None
+    try:
+        t_warm = common.wait_for_step(job.step_log, args.warmup, args.timeout, [job.proc])
+        first = args.warmup
+        if standby:  # the window starts once the standby is warm and idle
+            quiet_at = sampler.wait_quiet(standby_pids(job, args.timeout), 1.0, args.timeout, job.proc)
+            first = max(args.warmup, first_step_after(job.step_log, max(t_warm, quiet_at)))
+        before = sampler.sample()  # (no swap yet: each worker's TMRUN_ROLE is still its role)
+        common.wait_for_step(job.step_log, first + measure, args.timeout, [job.proc])
+        after = sampler.sample()
+        for k in range(args.drains if standby else 0):
+            drains.append(drain_once(job, sampler, args, k, drains[-1]["swap"]["at"] if drains else None))
+        if standby:
+            job.stop()
+            code = job.proc.returncode
+        else:
+            code = job.wait(args.timeout)
+    finally:
+        sampler.stop()
+        job.stop()
+    steps, other = common.read_log(job.step_log)
+    return {"steps": steps, "first": first, "last": first + measure, "exit": code, "standby_quiet_at": quiet_at,
+            "active_hwm_kb": sorted(v["hwm_kb"] for v in sampler.workers(after, "active")),
+            "standby_hwm_kb": sorted(v["hwm_kb"] for v in sampler.workers(after, "standby")),
+            "cpu_cores": cpu_use(before, after),
+            "done_maxrss_kb": None if standby else sorted(r["maxrss_kb"] for r in other if r.get("event") == "done"),
+            "drains": drains}
+
+
+def drain_once(job: common.TmrunJob, sampler: ProcSampler, args, k: int, since: float | None) -> dict:
+    """Drain a non-leader active node with --rejoin once the standby is warm; its swap event.
+
+    ``normal_step_time`` is the median of the survivors' steps since the last switch (``since``):
+    the steps while the rejoined standby warmed up are slower, so wait until they are a minority.
+    """
+    quiet_at = sampler.wait_quiet(standby_pids(job, args.timeout), 1.0, args.timeout, job.proc)
+    steps, _ = common.read_log(job.step_log)
+    dirty = sum(1 for r in steps if since is not None and since <= r["t"] <= quiet_at)
+    common.wait_for_step(job.step_log, first_step_after(job.step_log, quiet_at) + max(10, dirty + 5),
+                         args.timeout, [job.proc])
+    status = job.status()
+    node = next(n["node"] for n in status["nodes"] if n["role"] == "active" and n["node"] != status["leader"])
+    classes = {}  # who is who during this drain, for the CPU used while phase 1 runs
+    for n in status["nodes"]:
+        role = "leaver" if n["node"] == node else {"active": "survivor", "standby": "joiner"}.get(n["role"])
+        classes.update({pid: f"{role} worker" for pid in n["worker_pids"] if role})
+    trace = CpuTrace(sampler)
+    trace.start()
+    try:
+        t0, t1, _ = job.drain(node, rejoin=True)
+    finally:
+        trace.stop()
+    swaps = job.swap_events(k + 1)
+    if len(swaps) <= k:
+        raise RuntimeError(f"no swap event for drain {k + 1} of {node}")
+    swap = swaps[k]
+    ratio = (swap["phase1_step_time"] / swap["normal_step_time"]
+             if swap.get("phase1_step_time") and swap.get("normal_step_time") else None)
+    phase1_cpu = None
+    if swap.get("phase1_started_s") is not None and swap.get("phase1_done_s") is not None:
+        phase1_cpu = trace.cores(swap["requested"] + swap["phase1_started_s"],
+                                 swap["requested"] + swap["phase1_done_s"], classes)
+    return {"node": node, "issued": t0, "returned": t1, "dirty_steps": dirty, "swap": swap, "phase1_ratio": ratio,
+            "phase1_cpu_cores": phase1_cpu}
+
+
+# ------------------------------------------------------------------------------ report
+
+def main(argv: list[str] | None = None) -> int:
+    p = Parser(prog="bench/steady_state.py", description=__doc__.splitlines()[0],
+               epilog="The runs share the machine's cores: run nothing else meanwhile (on a shared machine: "
+                      "flock /tmp/tmrun-bench.lock python bench/steady_state.py ...).")
+    p.add_argument("--sizes", type=size_list, default=None, help="model sizes, comma-separated (default 5M)")
+    p.add_argument("--size", type=size_label, default=None, help="one model size (same as --sizes SIZE)")
+    p.add_argument("--warmup", type=positive, default=20, help="committed steps before the window (default 20)")
+    p.add_argument("--measure", type=positive, default=None,
+                   help="steps in the window (default: 200 at 5M, 40 at 50M, scaled for others)")
+    p.add_argument("--drains", type=nonnegative, default=3,
+                   help="drains in the tmrun+standby run after the window, for the phase-1 effect (default 3)")
+    p.add_argument("--threads", type=positive, default=1, help="torch threads per worker (default 1)")
+    p.add_argument("--repeats", type=positive, default=None,
+                   help="run the three competitors this many times, interleaved, in rotated order (default 2; "
+                        "--quick: 1)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds any one wait may take (default 600)")
+    p.add_argument("--quick", action="store_true",
+                   help="1M parameters, warm-up 5, window 30 steps, 1 drain; results get the suffix _quick")
+    p.add_argument("--keep", action="store_true", help="keep the work directories (step logs, agent logs)")
+    args = p.parse_args(argv)
+    if args.sizes and args.size:
+        p.error("give --size or --sizes, not both")
+    sizes = args.sizes or ([args.size] if args.size else ["1M" if args.quick else "5M"])
+    if args.quick:
+        args.warmup, args.measure, args.drains = 5, args.measure or 30, min(args.drains, 1)
+    args.repeats = args.repeats or (1 if args.quick else 2)
+
+    def measure_of(size: str) -> int:
+        if args.measure:
+            return args.measure
+        return DEFAULT_MEASURE.get(size, max(30, min(400, round(200 * 5e6 / params_of(size)))))
+
+    args.measure_of = measure_of
+    name = NAME + ("_quick" if args.quick else "")
+
+    results: dict[str, dict[str, list[dict]]] = {s: {r: [] for r in RUNS} for s in sizes}
+    for size in sizes:
+        for rep in range(args.repeats):
+            order = RUNS[rep % 3:] + RUNS[:rep % 3]  # rotate so no competitor always runs first
+            for run in order:
+                wd = common.workdir(f"{NAME}-{run.replace('+', '-')}")
+                print(f"[{NAME}] {size} {run} (repeat {rep + 1}/{args.repeats}) in {wd}", flush=True)
+                try:
+                    if run == "torchrun+DDP":
+                        r = run_torchrun(size, args, wd)
+                    else:
+                        r = run_tmrun(size, args, wd, standby=1 if run == "tmrun+standby" else 0)
+                finally:
+                    if not args.keep:
+                        shutil.rmtree(wd, ignore_errors=True)
+                r.update(window_stats(r["steps"], r["first"], r["last"]))
+                print(f"[{NAME}]   {r['steps_per_s']:.3f} steps/s, median step {r['median_step_s'] * 1e3:.1f} ms, "
+                      f"active peak RSS {[round(k / 1024) for k in r['active_hwm_kb']]} MiB", flush=True)
+                results[size][run].append(r)
+    return report(name, sizes, results, args)
+
+
+def _mean(values):
+    values = [v for v in values if v is not None]
+    return statistics.mean(values) if values else None
+
+
+def report(name: str, sizes: list[str], results: dict, args) -> int:
+    rows, cpu_rows, targets, doc_sizes, panels = [], [], [], {}, {}
+    for size in sizes:
+        per = results[size]
+        agg = {}
+        for run in RUNS:
+            rs = per[run]
+            agg[run] = {
+                "steps_per_s": _mean(r["steps_per_s"] for r in rs),
+                "median_step_s": _mean(r["median_step_s"] for r in rs),
+                "rel_stderr": _mean(r["rel_stderr"] for r in rs),
+                "spread": (max(r["steps_per_s"] for r in rs) / min(r["steps_per_s"] for r in rs) - 1) if len(rs) > 1 else None,
+                "active_hwm_mib": _mean(statistics.mean(r["active_hwm_kb"]) / 1024 for r in rs if r["active_hwm_kb"]),
+                "active_hwm_runs_mib": [round(statistics.mean(r["active_hwm_kb"]) / 1024, 1) for r in rs
+                                        if r["active_hwm_kb"]],
+                "active_hwm_max_mib": max((max(r["active_hwm_kb"]) / 1024 for r in rs if r["active_hwm_kb"]), default=None),
+                "cpu_cores": {k: _mean(r["cpu_cores"].get(k, 0.0) for r in rs)
+                              for k in sorted({k for r in rs for k in r["cpu_cores"]})},
+            }
+            c = agg[run]["cpu_cores"]
+            agg[run]["worker_cpu_per_step_ms"] = c.get("worker-active", 0.0) / agg[run]["steps_per_s"] / 2 * 1e3
+            agg[run]["control_cores"] = sum(v for k, v in c.items() if k in ("agent", "etcd", "other"))
+            cpu_rows.append([run, size, c.get("worker-active"), c.get("worker-standby"), c.get("agent"),
+                             c.get("etcd"), c.get("other"), c.get("outside"), agg[run]["worker_cpu_per_step_ms"]])
+        base = agg["torchrun+DDP"]
+        for run in RUNS:
+            a = agg[run]
+            a["throughput_ratio"] = a["steps_per_s"] / base["steps_per_s"]
+            a["rss_ratio"] = a["active_hwm_mib"] / base["active_hwm_mib"] if a["active_hwm_mib"] else None
+            rows.append([run, size, a["steps_per_s"], f"{a['throughput_ratio']:.2%}", a["median_step_s"] * 1e3,
+                         a["active_hwm_mib"], f"{a['rss_ratio']:.2%}" if a["rss_ratio"] else None])
+        no_sb, sb = agg["tmrun"], agg["tmrun+standby"]
+        state = [d["swap"]["bytes_from_leaver"] for r in per["tmrun+standby"] for d in r["drains"]]
+        state_mib = (statistics.median(state) if state else 12 * params_of(size)) / 2**20  # fp32 + 2 AdamW moments
+        second_copy = sb["active_hwm_mib"] / no_sb["active_hwm_mib"]
+        noise = max(a["rel_stderr"] for a in agg.values())
+        drains = [d for r in per["tmrun+standby"] for d in r["drains"]]
+        ratios = [d["phase1_ratio"] for d in drains if d["phase1_ratio"] is not None]
+        phase1 = _mean(ratios)
+
+        def tgt(what, measured, met, reason=""):
+            targets.append({"size": size, "target": what, "measured": measured, "met": bool(met), "reason": reason})
+
+        for run in ("tmrun", "tmrun+standby"):
+            ratio = agg[run]["throughput_ratio"]
+            a = agg[run]
+            tgt(f"{size} {run} throughput >= 99% of torchrun+DDP", f"{ratio:.2%}", ratio >= TARGET_THROUGHPUT,
+                f"{a['steps_per_s']:.3f} vs {base['steps_per_s']:.3f} steps/s (standard error of a window's mean "
+                f"step {noise:.1%}" + (f", repeats spread {max(x['spread'] or 0 for x in agg.values()):.1%}"
+                                        if args.repeats > 1 else "") +
+                f"); worker CPU per step {a['worker_cpu_per_step_ms']:.1f} vs {base['worker_cpu_per_step_ms']:.1f} ms, "
+                f"launcher processes (agents, etcd, other) {a['control_cores']:.3f} vs {base['control_cores']:.3f} "
+                f"cores")
+        rss = no_sb["rss_ratio"]
+        tgt(f"{size} tmrun peak RSS of an active worker within 1% of torchrun+DDP", f"{rss:.2%}", rss <= TARGET_RSS,
+            f"{no_sb['active_hwm_mib'] - base['active_hwm_mib']:+.1f} MiB per worker "
+            f"({no_sb['active_hwm_mib']:.1f} vs {base['active_hwm_mib']:.1f} MiB; per run "
+            f"{no_sb['active_hwm_runs_mib']} vs {base['active_hwm_runs_mib']})")
+        tgt(f"{size} no second copy of the state: actives' peak RSS with a standby within 1% of without",
+            f"{second_copy:.2%}", second_copy <= TARGET_RSS,
+            f"{sb['active_hwm_mib'] - no_sb['active_hwm_mib']:+.1f} MiB per worker (per run "
+            f"{sb['active_hwm_runs_mib']} vs {no_sb['active_hwm_runs_mib']}); a second copy of the state "
+            f"(model + AdamW) would be +{state_mib:.0f} MiB" + (
+                "" if args.repeats > 1 else "; one run each: repeat (--repeats) to tell this from run-to-run spread"))
+        if drains:
+            per_drain = ", ".join(f"{x:.1%}" for x in ratios)
+            if phase1 is None:
+                reason = "no step overlapped phase 1 in any drain: nothing to compare"
+            else:
+                cpu = [d["phase1_cpu_cores"] for d in drains if d.get("phase1_cpu_cores")]
+                extra_cores = _mean(sum(v for k, v in c.items() if k not in ("survivor worker", "seconds"))
+                                    for c in cpu)
+                surv_cores = _mean(c.get("survivor worker") for c in cpu)
+                reason = (f"per drain: {per_drain}; phase 1 lasted {_mean(c['seconds'] for c in cpu) or 0:.2f} s "
+                          f"(sampled) and overlapped {_mean(d['swap']['phase1_steps'] for d in drains):.0f} steps; "
+                          f"meanwhile the joiner, the leaver, the agents, etcd and the tmrun drain command used "
+                          f"{extra_cores or 0:.2f} cores besides the survivors' {surv_cores or 0:.2f}, on "
+                          f"{os.cpu_count()} cores that training fills; the survivors also build the next group "
+                          "in a thread of their own, which competes for the GIL" if cpu else
+                          f"per drain: {per_drain}")
+            tgt(f"{size} phase 1: survivors' step time while the next group is built <= 105% of normal",
+                f"{phase1:.1%}" if phase1 is not None else "-", phase1 is not None and phase1 <= TARGET_PHASE1,
+                reason)
+        for run in RUNS:
+            r0 = per[run][0]
+            marks = [(r0["t0"], "window"), (r0["t1"], "end")]
+            marks += [(d["swap"]["requested"], "drain") for d in r0["drains"]]
+            panels[f"{size} {run}"] = (r0["steps"], marks)
+        doc_sizes[size] = {
+            "aggregate": agg, "second_copy_ratio": second_copy, "phase1_ratio": phase1,
+            "runs": {run: [{k: v for k, v in r.items() if k != "steps"} for r in per[run]] for run in RUNS},
+        }
+
+    common.print_table(f"Steady state: {args.threads} thread(s) per worker, 2 nodes",
+                       ["run", "size", "steps/s", "vs torchrun", "median step (ms)", "peak RSS/worker (MiB)",
+                        "RSS vs torchrun"], rows)
+    cpu_cols = ["run", "size", "active workers", "standby worker", "agents", "etcd", "other (ours)",
+                "not ours", "worker CPU/step (ms)"]
+    common.print_table("CPU used during the window (cores)", cpu_cols, cpu_rows)
+    foreign = max((r[7] or 0.0) for r in cpu_rows)
+    if foreign > 0.05:
+        print(f"[{NAME}] warning: processes this benchmark did not start used up to {foreign:.2f} cores during a "
+              "window: the machine was not idle and the comparison is unreliable", flush=True)
+    def others(d):  # cores used during phase 1 besides the survivors
+        c = d.get("phase1_cpu_cores") or {}
+        return ", ".join(f"{k} {v:.2f}" for k, v in c.items() if k not in ("survivor worker", "seconds") and v >= 0.01)
+
+    drain_rows = [[size, d["node"], d["swap"]["phase1_steps"], d["swap"]["phase1_step_time"],
+                   d["swap"]["normal_step_time"], f"{d['phase1_ratio']:.1%}" if d["phase1_ratio"] else None,
+                   d["swap"]["stall_s"], (d.get("phase1_cpu_cores") or {}).get("seconds"),
+                   (d.get("phase1_cpu_cores") or {}).get("survivor worker"), others(d)]
+                  for size in sizes for r in results[size]["tmrun+standby"] for d in r["drains"]]
+    drain_cols = ["size", "drained", "phase-1 steps", "phase-1 step (s)", "normal step (s)", "ratio", "stall (s)",
+                  "phase 1 (s)", "survivors' cores in phase 1", "other cores in phase 1"]
+    if drain_rows:
+        common.print_table("Phase 1 during drains (tmrun+standby)", drain_cols, drain_rows)
+    common.print_table("Targets", ["target", "measured", "met"],
+                       [[t["target"], t["measured"], "yes" if t["met"] else f"NO: {t['reason']}"] for t in targets])
+
+    png = common.plot_step_times(name, panels, "Step time, no interruptions (drains after the window)")
+    doc = {"sizes": doc_sizes, "targets": targets, "all_met": all(t["met"] for t in targets),
+           "foreign_cpu_cores_max": foreign,
+           "settings": {"sizes": sizes, "warmup": args.warmup, "measure": {s: args.measure_of(s) for s in sizes},
+                        "drains": args.drains, "threads": args.threads, "repeats": args.repeats,
+                        "tmrun_conf": common.TMRUN_CONF},
+           "plot": str(png.relative_to(common.REPO))}
+    path = common.save(name, doc)
+    extra = "CPU used during the window (cores, from /proc/<pid>/stat):\n\n" + md_table(cpu_cols, cpu_rows)
+    if foreign > 0.05:
+        extra += (f"\n\n**Warning:** processes this benchmark did not start used up to {foreign:.2f} cores during a "
+                  "window; the machine was not idle and the comparison is unreliable.")
+    if drain_rows:
+        extra += "\n\nDrains after the window (tmrun+standby):\n\n" + md_table(drain_cols, drain_rows)
+    md = write_markdown(
+        name, "Steady-state overhead",
+        f"The same GPT, 2 nodes x 1 worker, {args.threads} thread(s) each, no interruptions: torchrun + plain DDP "
+        f"against examples/train_gpt.py under tmrun without and with a standby. Throughput over a window of "
+        f"committed steps after the warm-up (and after the standby went idle); peak RSS (VmHWM) of each active "
+        f"worker at the window's end, mean of the two.",
+        ["run", "size", "steps/s", "vs torchrun", "median step (ms)", "peak RSS/worker (MiB)", "RSS vs torchrun"],
+        rows, targets, [("step time over wall clock", png.name)], extra)
+    print(f"results: {path}\nsection: {md}\nplot: {png}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
