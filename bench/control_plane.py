@@ -49,6 +49,7 @@ for _path in (str(HERE), str(HERE.parent)):
         sys.path.insert(0, _path)
 
 import common  # noqa: E402
+from steady_state import ProcSampler, cpu_use  # noqa: E402  (shared helpers: candidates for common.py)
 
 NAME = "control_plane"
 TARGET_PHASE1_S = 0.050
@@ -429,6 +430,9 @@ def main(argv: list[str] | None = None) -> int:
         job.wait_hot(standby, args.timeout)
         wait_standbys_quiet(job, args.timeout)
         print(f"[{NAME}] etcd round trips ({args.rtt} each)", flush=True)
+        sampler = ProcSampler(common.GPT)
+        sampler.start()  # (to notice processes that are not ours)
+        before = sampler.sample()
         rtt = round_trips(job, args.rtt)
         for k in range(args.drains):
             drains.append(drain_once(job, args, len(drains) + len(kills), profile_dir, k))
@@ -441,14 +445,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{NAME}] kill {k + 1}: {x['node']}: reported {ms(x['kill_to_report_s'])} ms, plan written "
                   f"{ms(x['kill_to_plan_s'])} ms, phase 1 started {ms(x['kill_to_phase1_s'])} ms after the kill",
                   flush=True)
+        cpu = cpu_use(before, sampler.sample())
     finally:
         job.stop()
         if not args.keep:
             shutil.rmtree(wd, ignore_errors=True)
-    return report(name, args, rtt, drains, kills)
+    return report(name, args, rtt, drains, kills, cpu)
 
 
-def report(name: str, args, rtt: dict, drains: list[dict], kills: list[dict]) -> int:
+def report(name: str, args, rtt: dict, drains: list[dict], kills: list[dict], cpu: dict) -> int:
     drain_cols = ["#", "drained", "leader", "tmrun drain start → request", "→ plan written", "→ phase 1 started (all)",
                   "slowest member", "→ phase 1 done", "→ switched", "→ first step"]
     drain_rows = []
@@ -503,6 +508,12 @@ def report(name: str, args, rtt: dict, drains: list[dict], kills: list[dict]) ->
         for m in d["members"]:
             member_by_kind["joiner" if m["joiner"] else "survivor"].append(m["prepared_s"])
     waits = [row[3] for row in sched_rows]
+    slowest_is_leader = sum(1 for d in drains if d["members"] and max(d["members"], key=lambda m: m["prepared_s"])["leader"])
+    leader_note = ""
+    if drains and slowest_is_leader * 2 > len(drains):
+        leader_note = (f" The last member to start phase 1 was the leader's own node in {slowest_is_leader} of "
+                       f"{len(drains)} drains: that agent runs the leader's writes after the plan (the event, the "
+                       "request's answer) in the same event loop as its own reading of the plan.")
     breakdown = ""
     if phase1:
         breakdown = (f"Where the time goes: request → phase 1 started on all took {ms(median_phase1)} ms (median; "
@@ -510,7 +521,7 @@ def report(name: str, args, rtt: dict, drains: list[dict], kills: list[dict]) ->
                      f"at this machine's medians); the leader wrote the plan after {ms(statistics.median(written))} ms "
                      f"(median), and the members' own phase-1 starts were, median: " +
                      ", ".join(f"{kind} {ms(statistics.median(v))} ms" for kind, v in member_by_kind.items()) +
-                     f". The rest is Python and asyncio in the agents (parsing every key, dataclasses, gRPC calls) "
+                     f".{leader_note} The rest is Python and asyncio in the agents (parsing every key, dataclasses, gRPC calls) "
                      f"on cores the training workers keep busy: during a drain command the agents were runnable "
                      f"but waiting for a CPU for {statistics.median(waits):.0f} ms in total (median).")
     reason = breakdown if not met else ""
@@ -523,6 +534,12 @@ def report(name: str, args, rtt: dict, drains: list[dict], kills: list[dict]) ->
     print(f"[{NAME}] etcd floor of request → phase 1: {floor_ms} ms (put→watch event {push} + get_prefix "
           f"{get_prefix} + txn→watch event ~{push} (txn alone {txn}) + 2 × get {get})", flush=True)
 
+    foreign = cpu.get("outside", 0.0)
+    warning = ""
+    if foreign > 0.05:
+        warning = (f"**Warning:** processes this benchmark did not start used {foreign:.2f} cores on average while "
+                   "it measured: the machine was not idle and the latencies include that contention.")
+        print(f"[{NAME}] {warning}", flush=True)
     png = plot(name, drains, kills)
     summary = {
         "drain_plan_written_ms": {"median": ms(statistics.median(written)), "max": ms(max(written))},
@@ -535,6 +552,7 @@ def report(name: str, args, rtt: dict, drains: list[dict], kills: list[dict]) ->
         "where_the_time_goes": breakdown,
     }
     doc = {"summary": summary, "targets": targets, "all_met": all(t["met"] for t in targets),
+           "cpu_cores_while_measuring": cpu,
            "drains": drains, "kills": kills, "etcd_round_trips": rtt,
            "drain_path": [dict(zip(["who", "call", "where", "on_path"], row)) for row in DRAIN_PATH],
            "settings": {"params": args.params, "drains": args.drains, "kills": args.kills, "rtt": args.rtt,
@@ -547,7 +565,7 @@ def report(name: str, args, rtt: dict, drains: list[dict], kills: list[dict]) ->
         f"`tmrun drain --rejoin` of a non-leader active node, and `kill -9` of a worker. Times from the swap "
         f"events (request created, or the failed worker's report, as time zero) and the kill's wall time. The "
         f"etcd floor of request → phase 1 is {floor_ms} ms: 5 sequential round trips and 2 watch pushes "
-        f"(listed below) at the medians measured here.\n\n{breakdown}",
+        f"(listed below) at the medians measured here.\n\n{breakdown}" + (f"\n\n{warning}" if warning else ""),
         [("Drains (ms after the request was created, unless said):", drain_cols, drain_rows)] +
         ([("Kills (ms after kill -9):", kill_cols, kill_rows)] if kills else []) +
         [("While each `tmrun drain` command ran (start to return, the whole swap): the agents' and etcd's CPU "

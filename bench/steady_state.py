@@ -110,21 +110,25 @@ def nonnegative(text: str) -> int:
     return value
 
 
-def _children() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
+def _proc_table() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, CPU ticks user + system) of every process on the machine."""
+    table = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
                 continue
-            kids.setdefault(ppid, []).append(int(entry))
-    return kids
+            table[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+    return table
 
 
-def descendants(roots: list[int]) -> list[int]:
-    kids, found, todo = _children(), [], list(roots)
+def descendants(roots: list[int], table: dict[int, tuple[int, int]] | None = None) -> list[int]:
+    kids: dict[int, list[int]] = {}
+    for pid, (ppid, _) in (table if table is not None else _proc_table()).items():
+        kids.setdefault(ppid, []).append(pid)
+    found, todo = [], list(roots)
     while todo:
         pid = todo.pop()
         for kid in kids.get(pid, []):
@@ -167,17 +171,11 @@ def _kind(argv: list[bytes], script: bytes) -> str:
     return "other"
 
 
-def _busy_ticks() -> int:
-    """CPU ticks the whole machine spent busy (not idle, not waiting for I/O) since boot."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    return sum(fields) - fields[3] - fields[4]
-
-
 class ProcSampler(threading.Thread):
     """Samples this process and its descendants every ``interval`` s: what kind each process is
     (worker running ``script``, agent, etcd, other), its CPU time, and for workers the memory;
-    and the machine's busy time, so that CPU used by processes outside this benchmark shows.
+    and, as pid 0, the CPU time all other processes on the machine used between samples (so that
+    a machine that is not idle shows; run the thread so that nothing long-lived slips through).
 
     Keeps, per pid, the latest sample and when its CPU time last moved (a warm standby stops).
     """
@@ -187,6 +185,8 @@ class ProcSampler(threading.Thread):
         self.roots, self.script, self.interval = [os.getpid()], str(script).encode(), interval
         self.latest: dict[int, dict] = {}
         self.cpu_moved: dict[int, float] = {}
+        self._foreign: dict[int, int] = {}  # CPU ticks of the processes not ours, at the last sample
+        self._foreign_total = 0
         self._lock = threading.Lock()
         self._halt = threading.Event()
 
@@ -201,7 +201,12 @@ class ProcSampler(threading.Thread):
         """Sample now; the processes alive now (pid -> {kind, cpu, t, and for workers role, hwm_kb, rss_kb})."""
         now = time.time()
         with self._lock:
-            for pid in self.roots + descendants(self.roots):
+            table = _proc_table()
+            ours = self.roots + descendants(self.roots, table)
+            foreign = {pid: ticks for pid, (_, ticks) in table.items() if pid not in set(ours)}
+            self._foreign_total += sum(max(0, t - self._foreign[p]) for p, t in foreign.items() if p in self._foreign)
+            self._foreign = foreign
+            for pid in ours:
                 try:  # read every time: an exec wrapper becomes an agent or a worker under the same pid
                     with open(f"/proc/{pid}/cmdline", "rb") as f:
                         kind = _kind(f.read().split(b"\0"), self.script)
@@ -214,7 +219,7 @@ class ProcSampler(threading.Thread):
                 if old is None or old["cpu"] != info["cpu"]:
                     self.cpu_moved[pid] = now
                 self.latest[pid] = {**info, "kind": kind, "t": now}
-            self.latest[0] = {"kind": "machine", "cpu": _busy_ticks(), "t": now}
+            self.latest[0] = {"kind": "foreign", "cpu": self._foreign_total, "t": now}
             return {pid: dict(v) for pid, v in self.latest.items() if v["t"] == now}
 
     def workers(self, snapshot: dict[int, dict], role: str) -> list[dict]:
@@ -261,10 +266,11 @@ class CpuTrace(threading.Thread):
             return None
         (t0, a), (t1, b) = before[-1], after[0]
         used: dict[str, float] = {}
+        names = {"agent": "agents", "etcd": "etcd", "other": "tmrun CLIs", "worker": "other workers"}
         for pid, v in b.items():
             if pid == 0:
                 continue
-            name = classes.get(pid, v["kind"] if v["kind"] != "worker" else "other worker")
+            name = classes.get(pid) or ("this benchmark" if pid == os.getpid() else names[v["kind"]])
             used[name] = used.get(name, 0.0) + (v["cpu"] - a.get(pid, {"cpu": 0})["cpu"]) / CLK_TCK / (t1 - t0)
         return {k: round(x, 2) for k, x in sorted(used.items())} | {"seconds": round(t1 - t0, 3)}
 
@@ -279,8 +285,8 @@ def standby_pids(job: common.TmrunJob, timeout: float) -> list[int]:
 
 
 def cpu_use(before: dict[int, dict], after: dict[int, dict]) -> dict[str, float]:
-    """Cores used between two samples, per kind of process (workers split by role); ``outside``:
-    by processes this benchmark did not start (the machine's busy time less ours)."""
+    """Cores used between two samples, per kind of our processes (workers split by role; processes
+    that ended in between are missing); ``outside``: by processes this benchmark did not start."""
     seconds = after[0]["t"] - before[0]["t"]
     used: dict[str, float] = {}
     for pid, v in after.items():
@@ -289,7 +295,7 @@ def cpu_use(before: dict[int, dict], after: dict[int, dict]) -> dict[str, float]
         kind = f"worker-{v['role']}" if v["kind"] == "worker" else v["kind"]
         ticks = v["cpu"] - before.get(pid, {"cpu": 0})["cpu"]
         used[kind] = used.get(kind, 0.0) + ticks / CLK_TCK / seconds
-    used["outside"] = max(0.0, (after[0]["cpu"] - before[0]["cpu"]) / CLK_TCK / seconds - sum(used.values()))
+    used["outside"] = (after[0]["cpu"] - before[0]["cpu"]) / CLK_TCK / seconds
     return {k: round(x, 3) for k, x in sorted(used.items())}
 
 
@@ -353,6 +359,7 @@ def run_torchrun(size: str, args, wd: Path) -> dict:
     steps, _ = common.read_log(log)
     return {"steps": steps, "first": first, "last": first + args.measure_of(size), "exit": codes,
             "active_hwm_kb": sorted(v["hwm_kb"] for v in sampler.workers(after, "active")), "drains": [],
+            "active_rss_kb": sorted(v["rss_kb"] for v in sampler.workers(after, "active")),
             "done_maxrss_kb": None, "cpu_cores": cpu_use(before, after)}
 
 
@@ -386,6 +393,7 @@ def run_tmrun(size: str, args, wd: Path, standby: int) -> dict:
     steps, other = common.read_log(job.step_log)
     return {"steps": steps, "first": first, "last": first + measure, "exit": code, "standby_quiet_at": quiet_at,
             "active_hwm_kb": sorted(v["hwm_kb"] for v in sampler.workers(after, "active")),
+            "active_rss_kb": sorted(v["rss_kb"] for v in sampler.workers(after, "active")),
             "standby_hwm_kb": sorted(v["hwm_kb"] for v in sampler.workers(after, "standby")),
             "cpu_cores": cpu_use(before, after),
             "done_maxrss_kb": None if standby else sorted(r["maxrss_kb"] for r in other if r.get("event") == "done"),
@@ -406,9 +414,9 @@ def drain_once(job: common.TmrunJob, sampler: ProcSampler, args, k: int, since: 
     status = job.status()
     node = next(n["node"] for n in status["nodes"] if n["role"] == "active" and n["node"] != status["leader"])
     classes = {}  # who is who during this drain, for the CPU used while phase 1 runs
-    for n in status["nodes"]:
-        role = "leaver" if n["node"] == node else {"active": "survivor", "standby": "joiner"}.get(n["role"])
-        classes.update({pid: f"{role} worker" for pid in n["worker_pids"] if role})
+    for n in status["nodes"]:  # (the leaver trains until the switch, like the survivors)
+        role = "training" if n["role"] == "active" else "joiner" if n["role"] == "standby" else None
+        classes.update({pid: f"{role} workers" for pid in n["worker_pids"] if role})
     trace = CpuTrace(sampler)
     trace.start()
     try:
@@ -506,6 +514,8 @@ def report(name: str, sizes: list[str], results: dict, args) -> int:
                 "rel_stderr": _mean(r["rel_stderr"] for r in rs),
                 "spread": (max(r["steps_per_s"] for r in rs) / min(r["steps_per_s"] for r in rs) - 1) if len(rs) > 1 else None,
                 "active_hwm_mib": _mean(statistics.mean(r["active_hwm_kb"]) / 1024 for r in rs if r["active_hwm_kb"]),
+                "active_rss_mib": _mean(statistics.mean(r["active_rss_kb"]) / 1024 for r in rs
+                                        if r.get("active_rss_kb")),
                 "active_hwm_runs_mib": [round(statistics.mean(r["active_hwm_kb"]) / 1024, 1) for r in rs
                                         if r["active_hwm_kb"]],
                 "active_hwm_max_mib": max((max(r["active_hwm_kb"]) / 1024 for r in rs if r["active_hwm_kb"]), default=None),
@@ -523,7 +533,8 @@ def report(name: str, sizes: list[str], results: dict, args) -> int:
             a["throughput_ratio"] = a["steps_per_s"] / base["steps_per_s"]
             a["rss_ratio"] = a["active_hwm_mib"] / base["active_hwm_mib"] if a["active_hwm_mib"] else None
             rows.append([run, size, a["steps_per_s"], f"{a['throughput_ratio']:.2%}", a["median_step_s"] * 1e3,
-                         a["active_hwm_mib"], f"{a['rss_ratio']:.2%}" if a["rss_ratio"] else None])
+                         a["active_hwm_mib"], f"{a['rss_ratio']:.2%}" if a["rss_ratio"] else None,
+                         a["active_rss_mib"]])
         no_sb, sb = agg["tmrun"], agg["tmrun+standby"]
         state = [d["swap"]["bytes_from_leaver"] for r in per["tmrun+standby"] for d in r["drains"]]
         state_mib = (statistics.median(state) if state else 12 * params_of(size)) / 2**20  # fp32 + 2 AdamW moments
@@ -545,7 +556,9 @@ def report(name: str, sizes: list[str], results: dict, args) -> int:
                                         if args.repeats > 1 else "") +
                 f"); worker CPU per step {a['worker_cpu_per_step_ms']:.1f} vs {base['worker_cpu_per_step_ms']:.1f} ms, "
                 f"launcher processes (agents, etcd, other) {a['control_cores']:.3f} vs {base['control_cores']:.3f} "
-                f"cores")
+                f"cores" + (f"; NOT IDLE: processes this benchmark did not start used up to "
+                            f"{max(x['cpu_cores'].get('outside', 0) for x in agg.values()):.2f} cores"
+                            if max(x['cpu_cores'].get('outside', 0) for x in agg.values()) > 0.05 else ""))
         rss = no_sb["rss_ratio"]
         tgt(f"{size} tmrun peak RSS of an active worker within 1% of torchrun+DDP", f"{rss:.2%}", rss <= TARGET_RSS,
             f"{no_sb['active_hwm_mib'] - base['active_hwm_mib']:+.1f} MiB per worker "
@@ -563,15 +576,15 @@ def report(name: str, sizes: list[str], results: dict, args) -> int:
                 reason = "no step overlapped phase 1 in any drain: nothing to compare"
             else:
                 cpu = [d["phase1_cpu_cores"] for d in drains if d.get("phase1_cpu_cores")]
-                extra_cores = _mean(sum(v for k, v in c.items() if k not in ("survivor worker", "seconds"))
+                extra_cores = _mean(sum(v for k, v in c.items() if k not in ("training workers", "seconds"))
                                     for c in cpu)
-                surv_cores = _mean(c.get("survivor worker") for c in cpu)
+                train_cores = _mean(c.get("training workers") for c in cpu)
                 reason = (f"per drain: {per_drain}; phase 1 lasted {_mean(c['seconds'] for c in cpu) or 0:.2f} s "
                           f"(sampled) and overlapped {_mean(d['swap']['phase1_steps'] for d in drains):.0f} steps; "
-                          f"meanwhile the joiner, the leaver, the agents, etcd and the tmrun drain command used "
-                          f"{extra_cores or 0:.2f} cores besides the survivors' {surv_cores or 0:.2f}, on "
-                          f"{os.cpu_count()} cores that training fills; the survivors also build the next group "
-                          "in a thread of their own, which competes for the GIL" if cpu else
+                          f"meanwhile the joiner, the agents, etcd, the tmrun drain command and this benchmark's "
+                          f"sampling used {extra_cores or 0:.2f} cores besides the training workers' "
+                          f"{train_cores or 0:.2f}, on {os.cpu_count()} cores that training fills; the survivors also "
+                          "build the next group in a thread of their own, which competes for the GIL" if cpu else
                           f"per drain: {per_drain}")
             tgt(f"{size} phase 1: survivors' step time while the next group is built <= 105% of normal",
                 f"{phase1:.1%}" if phase1 is not None else "-", phase1 is not None and phase1 <= TARGET_PHASE1,
@@ -588,7 +601,7 @@ def report(name: str, sizes: list[str], results: dict, args) -> int:
 
     common.print_table(f"Steady state: {args.threads} thread(s) per worker, 2 nodes",
                        ["run", "size", "steps/s", "vs torchrun", "median step (ms)", "peak RSS/worker (MiB)",
-                        "RSS vs torchrun"], rows)
+                        "RSS vs torchrun", "RSS now/worker (MiB)"], rows)
     cpu_cols = ["run", "size", "active workers", "standby worker", "agents", "etcd", "other (ours)",
                 "not ours", "worker CPU/step (ms)"]
     common.print_table("CPU used during the window (cores)", cpu_cols, cpu_rows)
@@ -596,17 +609,17 @@ def report(name: str, sizes: list[str], results: dict, args) -> int:
     if foreign > 0.05:
         print(f"[{NAME}] warning: processes this benchmark did not start used up to {foreign:.2f} cores during a "
               "window: the machine was not idle and the comparison is unreliable", flush=True)
-    def others(d):  # cores used during phase 1 besides the survivors
+    def others(d):  # cores used during phase 1 besides the training workers
         c = d.get("phase1_cpu_cores") or {}
-        return ", ".join(f"{k} {v:.2f}" for k, v in c.items() if k not in ("survivor worker", "seconds") and v >= 0.01)
+        return ", ".join(f"{k} {v:.2f}" for k, v in c.items() if k not in ("training workers", "seconds") and v >= 0.01)
 
     drain_rows = [[size, d["node"], d["swap"]["phase1_steps"], d["swap"]["phase1_step_time"],
                    d["swap"]["normal_step_time"], f"{d['phase1_ratio']:.1%}" if d["phase1_ratio"] else None,
                    d["swap"]["stall_s"], (d.get("phase1_cpu_cores") or {}).get("seconds"),
-                   (d.get("phase1_cpu_cores") or {}).get("survivor worker"), others(d)]
+                   (d.get("phase1_cpu_cores") or {}).get("training workers"), others(d)]
                   for size in sizes for r in results[size]["tmrun+standby"] for d in r["drains"]]
     drain_cols = ["size", "drained", "phase-1 steps", "phase-1 step (s)", "normal step (s)", "ratio", "stall (s)",
-                  "phase 1 (s)", "survivors' cores in phase 1", "other cores in phase 1"]
+                  "phase 1 (s)", "training workers' cores in phase 1", "other cores in phase 1"]
     if drain_rows:
         common.print_table("Phase 1 during drains (tmrun+standby)", drain_cols, drain_rows)
     common.print_table("Targets", ["target", "measured", "met"],
@@ -631,8 +644,9 @@ def report(name: str, sizes: list[str], results: dict, args) -> int:
         f"The same GPT, 2 nodes x 1 worker, {args.threads} thread(s) each, no interruptions: torchrun + plain DDP "
         f"against examples/train_gpt.py under tmrun without and with a standby. Throughput over a window of "
         f"committed steps after the warm-up (and after the standby went idle); peak RSS (VmHWM) of each active "
-        f"worker at the window's end, mean of the two.",
-        ["run", "size", "steps/s", "vs torchrun", "median step (ms)", "peak RSS/worker (MiB)", "RSS vs torchrun"],
+        f"worker at the window's end, mean of the two (and VmRSS then, for comparison).",
+        ["run", "size", "steps/s", "vs torchrun", "median step (ms)", "peak RSS/worker (MiB)", "RSS vs torchrun",
+         "RSS now/worker (MiB)"],
         rows, targets, [("step time over wall clock", png.name)], extra)
     print(f"results: {path}\nsection: {md}\nplot: {png}", flush=True)
     return 0
