@@ -313,8 +313,8 @@ def _eligible(cluster: Cluster) -> list[NodeView]:
 
 def _pool(cluster: Cluster, plan: Plan) -> list[str]:
     """Standbys in join order: alive, not training, not out (a rejoining node once it stopped training)."""
-    nodes = [n for n in cluster.nodes.values() if n.name not in plan.members
-             and (n.name not in plan.out or (plan.out[n.name] == "rejoining" and n.run.state in ("idle", "shadow")))]
+    nodes = [n for n in cluster.nodes.values()
+             if n.name not in plan.members and (n.name not in plan.out or plan.rejoined(n.name, n.run))]
     return [n.name for n in sorted(nodes, key=lambda n: n.order)]
 
 

@@ -114,6 +114,11 @@ class Plan(Record):
     def world_size(self) -> int:
         return sum(self.slots[m] for m in self.members)
 
+    def rejoined(self, node: str, run: RunState) -> bool:
+        """``node`` gave up its place with ``drain --rejoin`` and is a standby again (its workers stopped
+        training: idle, or waiting warm as shadow workers)."""
+        return self.out.get(node) == "rejoining" and node not in self.members and run.state in ("idle", "shadow")
+
     def rank_offset(self, node: str) -> int:
         offset = 0
         for member in self.members:

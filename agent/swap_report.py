@@ -27,14 +27,13 @@ def summarize(plan: Plan, runs: Mapping[str, RunState]) -> dict[str, Any] | None
     """The swap into ``plan``'s generation, or None while a member has not committed a step in it."""
     if not plan.mode.startswith("swap") or not plan.joiners:
         return None
-    swaps, holders = [], []
+    swaps, holders, joined = [], [], []
     for member in plan.members:
         last = runs[member].last_swap if member in runs else {}
         if last.get("gen") != plan.gen or "first_step_at" not in last:
             return None
         swaps.append(last)
-        if member not in plan.joiners:
-            holders.append(last)
+        (joined if member in plan.joiners else holders).append(last)
     start = plan.requested or plan.created
 
     def since(field: str) -> float | None:
@@ -55,7 +54,7 @@ def summarize(plan: Plan, runs: Mapping[str, RunState]) -> dict[str, Any] | None
         "first_step_s": since("first_step_at"),
         # the job's stall is the holders' (a joiner's own wait for the switch is not lost training)
         "stall_s": max(float(s.get("stall", 0.0)) for s in holders or swaps),
-        "joiner_stall_s": max((float(s.get("stall", 0.0)) for s in swaps if s not in holders), default=0.0),
+        "joiner_stall_s": max((float(s.get("stall", 0.0)) for s in joined), default=0.0),
         "bytes_moved": sum(int(s.get("bytes_received", 0)) for s in swaps),
         "bytes_from_leaver": sum(int(s.get("from_leaver", 0)) for s in swaps),
         "handover_s": max(float(s.get("handover_s", 0.0)) for s in swaps),

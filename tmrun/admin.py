@@ -68,7 +68,7 @@ def _node_row(name: str, rec: NodeRecord | None, plan: Plan | None, ended: bool)
     elif plan is not None and name in plan.out:
         reason = plan.out[name]
         if reason == "rejoining" and rec is not None:
-            role = "standby" if rec.run_state.state in ("idle", "shadow") else "draining"
+            role = "standby" if plan.rejoined(name, rec.run_state) else "draining"
         else:
             role = "draining" if reason == "drained" and rec is not None else reason
     elif plan is not None and name in plan.members:
@@ -172,9 +172,7 @@ async def _back_in_pool(store: Store, keys: JobKeys, node: str) -> bool:
     plan_entry, node_entry = await store.get(keys.plan), await store.get(keys.node(node))
     if plan_entry is None or node_entry is None:
         return False
-    plan = Plan.from_dict(plan_entry.value)
-    run = NodeRecord.from_dict(node_entry.value).run_state
-    return plan.out.get(node) == "rejoining" and node not in plan.members and run.state in ("idle", "shadow")
+    return Plan.from_dict(plan_entry.value).rejoined(node, NodeRecord.from_dict(node_entry.value).run_state)
 
 
 def run(coro):

@@ -286,8 +286,7 @@ class Run:
             self._leave_gen = int(message["gen"])
             self._rejoin = bool(message.get("rejoin", False))
             if message.get("store_host") and self._handover is None:
-                pair = GroupSpec(self._leave_gen, 0, 2, str(message["store_host"]), int(message["store_port"]),
-                                 "handover")
+                pair = GroupSpec.pair(self._leave_gen, str(message["store_host"]), int(message["store_port"]), 0)
                 self._handover = NextGroup(pair, self.group_timeout, lambda s: None, pair_of=self.rank)
         elif message["type"] == "prepare":
             spec = GroupSpec.from_message(message)

@@ -69,9 +69,10 @@ class GroupSpec:
     def prefix(self) -> str:
         return f"tmrun/gen{self.gen}"
 
-    def handover_pair(self, me: int) -> "GroupSpec":
-        """The two-rank group in which the leaver (0) of rank ``self.rank`` hands over to the joiner (1)."""
-        return GroupSpec(self.gen, me, 2, self.store_host, self.store_port, "handover")
+    @classmethod
+    def pair(cls, gen: int, store_host: str, store_port: int, me: int) -> "GroupSpec":
+        """A handover group of generation ``gen``: the leaver is rank 0, the joiner rank 1."""
+        return cls(gen, me, 2, store_host, store_port, "handover")
 
 
 def build_group(spec: GroupSpec, timeout: float, pair_of: int | None = None) -> RealGroup:
@@ -200,11 +201,20 @@ def exchange_state(group: RealGroup, tracked: dict[str, Any], my_step: int, time
             work.wait()
         blob = _leaf_blob(group, leaves, sources[0], receivers, len(tensors))
         if me in receivers:
-            for name, obj in tracked.items():
-                mine = {k[len(f"/{name}"):]: v for k, v in blob.items() if k.startswith(f"/{name}/")}
-                if not isinstance(obj, torch.nn.Module):
-                    obj.load_state_dict(_assign(states[name], mine))
+            _load_leaves(tracked, states, blob)
     return Exchange(top, sources, receivers, received)
+
+
+def _nbytes(tensors: list[tuple[str, torch.Tensor]]) -> int:
+    return sum(t.numel() * t.element_size() for _, t in tensors)
+
+
+def _load_leaves(tracked: dict[str, Any], states: dict[str, Any], blob: dict[str, Any]) -> None:
+    """Load the received non-tensor leaves (the tensors were received in place already)."""
+    for name, obj in tracked.items():
+        mine = {k[len(f"/{name}"):]: v for k, v in blob.items() if k.startswith(f"/{name}/")}
+        if not isinstance(obj, torch.nn.Module):
+            obj.load_state_dict(_assign(states[name], mine))
 
 
 def _leaf_blob(group: RealGroup, leaves: dict[str, Any], src: int, receivers: tuple[int, ...], tag0: int) -> dict:
@@ -236,7 +246,7 @@ def hand_over(group: RealGroup, tracked: dict[str, Any], step: int) -> int:
     for work in works:
         work.wait()
     _leaf_blob(group, leaves, 0, (1,), len(tensors) + 1)
-    return sum(t.numel() * t.element_size() for _, t in tensors)
+    return _nbytes(tensors)
 
 
 class TakeOver:
@@ -268,7 +278,8 @@ class TakeOver:
     def _run(self, spec: GroupSpec, tracked: dict[str, Any], timeout: float) -> None:
         group = None
         try:
-            group = build_group(spec.handover_pair(1), timeout, pair_of=spec.rank)
+            group = build_group(GroupSpec.pair(spec.gen, spec.store_host, spec.store_port, 1), timeout,
+                                pair_of=spec.rank)
             states = {name: obj.state_dict() for name, obj in tracked.items()}
             tensors, leaves = flatten(states)
             header = torch.zeros(2, dtype=torch.int64)
@@ -281,12 +292,8 @@ class TakeOver:
             works = [group.recv(tensor, 0, index + 1) for index, (_, tensor) in enumerate(tensors)]
             for work in works:
                 work.wait()
-            blob = _leaf_blob(group, leaves, 0, (1,), len(tensors) + 1)
-            for name, obj in tracked.items():
-                mine = {k[len(f"/{name}"):]: v for k, v in blob.items() if k.startswith(f"/{name}/")}
-                if not isinstance(obj, torch.nn.Module):
-                    obj.load_state_dict(_assign(states[name], mine))
-            self.bytes_received = sum(t.numel() * t.element_size() for _, t in tensors)
+            _load_leaves(tracked, states, _leaf_blob(group, leaves, 0, (1,), len(tensors) + 1))
+            self.bytes_received = _nbytes(tensors)
             self.seconds = time.monotonic() - started
             self.step = int(header[0])
         except BaseException as exc:  # reported through ``step == -1``, never raised in a thread
