@@ -47,9 +47,11 @@ depend on how it is split among ranks.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -266,5 +268,51 @@ def state_sha256(state_dict) -> str:
     return h.hexdigest()
 
 
-__all__ = ["GPTConfig", "GPT", "config_for_params", "count_params", "batch", "load_corpus",
+# ---------------------------------------------------------------------------- training flags
+# What every GPT training script of this repository shares (the tmrun example and the
+# benchmarks' competitors), so that they train the same model the same way.
+
+BETAS = (0.9, 0.95)
+EPS = 1e-8
+WEIGHT_DECAY = 0.1
+DEFAULT_DATA = Path(__file__).resolve().parent / "data" / "corpus.txt"
+
+_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9}
+_COUNT_RE = re.compile(r"^([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)([kmgb]?)$")
+
+
+def parse_count(text: str) -> int:
+    """``5M``, ``50m``, ``1e6``, ``5_000_000``, ``500k``, ``1.5M`` -> an int (> 0)."""
+    s = str(text).strip().lower().replace("_", "").replace(",", "")
+    m = _COUNT_RE.match(s)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a parameter count: {text!r} (try 5M, 50M, 1e6, 5000000)")
+    value = round(float(m.group(1)) * _SUFFIX[m.group(2)])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"parameter count must be positive: {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
+    return value
+
+
+def add_training_args(p: argparse.ArgumentParser) -> None:
+    """The model, data and optimizer flags every GPT training script takes."""
+    p.add_argument("--params", type=parse_count, default=5_000_000,
+                   help="target parameter count, e.g. 1M, 5M, 50M, 1e6 (default 5M)")
+    p.add_argument("--steps", type=positive_int, default=200, help="optimizer steps (default 200)")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="sequences per rank per step (default 8)")
+    p.add_argument("--block-size", type=positive_int, default=128, help="context length in bytes (default 128)")
+    p.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate, constant (default 3e-4)")
+    p.add_argument("--seed", type=int, default=0, help="model init and data seed (default 0)")
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="training text (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch intra-op threads (default 0: leave torch's choice)")
+
+
+__all__ = ["parse_count", "positive_int", "add_training_args", "BETAS", "EPS", "WEIGHT_DECAY", "DEFAULT_DATA", "GPTConfig", "GPT", "config_for_params", "count_params", "batch", "load_corpus",
            "step_seed", "state_sha256", "VOCAB"]

@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import resource
 import sys
 import time
@@ -58,50 +57,14 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import tmrun  # noqa: E402
-from gpt_model import GPT, VOCAB, batch, config_for_params, count_params, load_corpus, state_sha256  # noqa: E402
-
-BETAS = (0.9, 0.95)
-EPS = 1e-8
-WEIGHT_DECAY = 0.1
-DEFAULT_DATA = HERE / "data" / "corpus.txt"
-
-_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9}
-_COUNT_RE = re.compile(r"^([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)([kmgb]?)$")
-
-
-def parse_count(text: str) -> int:
-    """``5M``, ``50m``, ``1e6``, ``5_000_000``, ``500k``, ``1.5M`` -> an int (> 0)."""
-    s = str(text).strip().lower().replace("_", "").replace(",", "")
-    m = _COUNT_RE.match(s)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a parameter count: {text!r} (try 5M, 50M, 1e6, 5000000)")
-    value = round(float(m.group(1)) * _SUFFIX[m.group(2)])
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"parameter count must be positive: {text!r}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
-    return value
-
+from gpt_model import (BETAS, EPS, GPT, VOCAB, WEIGHT_DECAY, add_training_args, batch, config_for_params,  # noqa: E402
+                       count_params, load_corpus, parse_count, positive_int, state_sha256)
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--params", type=parse_count, default=5_000_000,
-                   help="target parameter count, e.g. 1M, 5M, 50M, 1e6 (default 5M)")
-    p.add_argument("--steps", type=_positive_int, default=200, help="optimizer steps (default 200)")
-    p.add_argument("--batch-size", type=_positive_int, default=8, help="sequences per rank per step (default 8)")
-    p.add_argument("--block-size", type=_positive_int, default=128, help="context length in bytes (default 128)")
-    p.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate, constant (default 3e-4)")
-    p.add_argument("--seed", type=int, default=0, help="model init and data seed (default 0)")
+    add_training_args(p)
     p.add_argument("--out", type=Path, default=None, help="rank 0 saves the final model state_dict here")
-    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="training text (default: %(default)s)")
-    p.add_argument("--log-every", type=_positive_int, default=10, help="log every N steps (default 10)")
-    p.add_argument("--threads", type=int, default=0,
-                   help="torch intra-op threads (default 0: leave torch's choice)")
+    p.add_argument("--log-every", type=positive_int, default=10, help="log every N steps (default 10)")
     p.add_argument("--step-log", type=Path, default=None,
                    help="append one JSON line per committed step here (main rank), and one per rank at the end")
     return p
@@ -188,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
                             "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss})
     run.finish()
     return 0
+
+
+__all__ = ["main", "build_parser", "parse_count"]
 
 
 if __name__ == "__main__":

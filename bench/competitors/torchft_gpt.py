@@ -70,8 +70,8 @@ if str(EXAMPLES) not in sys.path:
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from gpt_model import GPT, VOCAB, batch, config_for_params, count_params, load_corpus, state_sha256  # noqa: E402
-from train_gpt import BETAS, DEFAULT_DATA, EPS, WEIGHT_DECAY, parse_count  # noqa: E402
+from gpt_model import (BETAS, EPS, GPT, VOCAB, WEIGHT_DECAY, add_training_args, batch, config_for_params,  # noqa: E402
+                       count_params, load_corpus, positive_int, state_sha256)
 
 try:
     import torchft
@@ -111,29 +111,15 @@ class LoopbackHTTPTransport(HTTPTransport):
         return f"http://127.0.0.1:{self._server.socket.getsockname()[1]}/checkpoint/"
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--params", type=parse_count, default=5_000_000, help="target parameter count (default 5M)")
-    p.add_argument("--steps", type=_positive_int, default=200, help="committed optimizer steps (default 200)")
-    p.add_argument("--batch-size", type=_positive_int, default=8, help="sequences per replica per step (default 8)")
-    p.add_argument("--block-size", type=_positive_int, default=128, help="context length in bytes (default 128)")
-    p.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate, constant (default 3e-4)")
-    p.add_argument("--seed", type=int, default=0, help="model init and data seed (default 0)")
-    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default 0: torch's choice)")
-    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="training text (default: %(default)s)")
+    add_training_args(p)
     p.add_argument("--replica-id", type=int, required=True, help="this replica group's id, 0..replicas-1")
-    p.add_argument("--replicas", type=_positive_int, default=2,
+    p.add_argument("--replicas", type=positive_int, default=2,
                    help="configured number of replica groups; slices the global batch (default 2)")
     p.add_argument("--lighthouse", default=os.environ.get("TORCHFT_LIGHTHOUSE"),
                    help="lighthouse URL, e.g. http://127.0.0.1:29510 (default $TORCHFT_LIGHTHOUSE)")
-    p.add_argument("--min-replicas", type=_positive_int, default=1,
+    p.add_argument("--min-replicas", type=positive_int, default=1,
                    help="Manager min_replica_size: commit only with at least this many participants (default 1)")
     p.add_argument("--step-log", type=Path, default=None, help="append one JSON line per committed step")
     p.add_argument("--timeout", type=float, default=60.0, help="manager and Gloo timeout, seconds (default 60)")

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -52,47 +51,21 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
-from gpt_model import GPT, VOCAB, batch, config_for_params, count_params, load_corpus, state_sha256  # noqa: E402
+from gpt_model import (GPT, VOCAB, add_training_args, batch, config_for_params, count_params,  # noqa: E402
+                       load_corpus, positive_int, state_sha256)
 
 BETAS = (0.9, 0.95)  # as in examples/train_gpt.py
 EPS = 1e-8
 WEIGHT_DECAY = 0.1
 CKPT_NAME = "checkpoint.pt"
 
-_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9}
-_COUNT_RE = re.compile(r"^([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)([kmgb]?)$")
-
-
-def parse_count(text: str) -> int:
-    """``5M``, ``1e6``, ``500k`` -> an int (> 0); the same grammar as train_gpt.py's --params."""
-    s = str(text).strip().lower().replace("_", "").replace(",", "")
-    m = _COUNT_RE.match(s)
-    if not m or round(float(m.group(1)) * _SUFFIX[m.group(2)]) < 1:
-        raise argparse.ArgumentTypeError(f"not a positive parameter count: {text!r} (try 1M, 5M, 1e6)")
-    return round(float(m.group(1)) * _SUFFIX[m.group(2)])
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--params", type=parse_count, default=5_000_000, help="target parameter count (default 5M)")
-    p.add_argument("--steps", type=_positive_int, default=200, help="optimizer steps (default 200)")
-    p.add_argument("--batch-size", type=_positive_int, default=8, help="sequences per rank per step (default 8)")
-    p.add_argument("--block-size", type=_positive_int, default=128, help="context length in bytes (default 128)")
-    p.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate, constant (default 3e-4)")
-    p.add_argument("--seed", type=int, default=0, help="model init and data seed (default 0)")
+    add_training_args(p)
     p.add_argument("--out", type=Path, default=None, help="rank 0 saves the final model state_dict here")
-    p.add_argument("--data", type=Path, default=EXAMPLES / "data" / "corpus.txt", help="training text")
-    p.add_argument("--log-every", type=_positive_int, default=10, help="log every N steps (default 10)")
-    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default 0: torch's choice)")
+    p.add_argument("--log-every", type=positive_int, default=10, help="log every N steps (default 10)")
     p.add_argument("--ckpt-dir", type=Path, default=None, help="checkpoint directory (default: none)")
-    p.add_argument("--ckpt-every", type=_positive_int, default=10, help="checkpoint every N steps (default 10)")
+    p.add_argument("--ckpt-every", type=positive_int, default=10, help="checkpoint every N steps (default 10)")
     p.add_argument("--step-log", type=Path, default=None, help="rank 0 appends a JSON line per committed step")
     return p
 
