@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from agent.etcd_server import EmbeddedEtcd
+from tests.slurm_cluster import slurm, slurm_cluster  # noqa: F401  (fixtures)
 
 
 @pytest.fixture(scope="session")
@@ -23,6 +24,14 @@ def _runtime_dir(tmp_path, monkeypatch: pytest.MonkeyPatch):
     runtime.mkdir()
     monkeypatch.setenv("TMRUN_RUNTIME_DIR", str(runtime))
     return runtime
+
+
+@pytest.fixture(autouse=True)
+def _log_dir(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    """Each test gets its own TMRUN_LOG_DIR, so jobs' history files stay out of the home directory."""
+    logs = tmp_path / "logs"
+    monkeypatch.setenv("TMRUN_LOG_DIR", str(logs))
+    return logs
 
 
 @pytest.fixture

@@ -14,8 +14,9 @@ from typing import Any, Callable
 
 from agent.changes import Changes
 from agent.errors import JobNotFound, RequestRejected, TmrunError, UnknownNode
+from agent.history import read_events
 from agent.keys import JobKeys
-from agent.records import EventRecord, NodeRecord, Outcome, Plan, RecordError, Request
+from agent.records import NodeRecord, Outcome, Plan, RecordError, Request
 from agent.store import Store
 
 STATUS_SCHEMA = 1
@@ -99,15 +100,8 @@ def _node_row(name: str, rec: NodeRecord | None, plan: Plan | None, ended: bool)
 
 
 async def events(store: Store, job: str) -> list[dict[str, Any]]:
-    keys = JobKeys(job)
-    entries, _ = await store.get_prefix(keys.events)
-    rows = []
-    for key in sorted(entries):
-        try:
-            rows.append(EventRecord.from_dict(entries[key].value).to_dict())
-        except RecordError:
-            continue
-    return rows
+    """The job's events in time order; the same rows a finished job's history file holds."""
+    return await read_events(store, job)
 
 
 async def known_nodes(store: Store, job: str) -> tuple[set[str], Plan | None]:

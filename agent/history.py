@@ -1,0 +1,157 @@
+"""A job's history on disk, so that ``tmrun events`` still answers after the job's etcd is gone.
+
+When a job ends, the launcher copies the job's ``events/`` keys and its ``outcome`` from the
+store into ``<log root>/<job>/events.jsonl``: JSON lines, the first a header
+``{"v": 1, "job": ..., "outcome": {...} or null, "written": unix time}``, then one event per line
+in time order, each the row ``tmrun events --json`` prints (:func:`read_events`). The file is
+replaced atomically (a temporary file in the same directory, then ``os.replace``), so a reader
+never sees half of it and, when several nodes write it on a shared file system, the last write
+wins. Nothing here reads the environment: :func:`default_log_root` is handed the mapping.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pwd
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+from agent.errors import HistoryError, JobNotFound, StoreError
+from agent.keys import JobKeys
+from agent.records import SCHEMA, EventRecord, Outcome, RecordError
+from agent.store import Entry, Store
+
+log = logging.getLogger("tmrun.history")
+
+FILE_NAME = "events.jsonl"
+
+
+def default_log_root(environ: Mapping[str, str]) -> Path:
+    """``$TMRUN_LOG_DIR``, else ``$XDG_STATE_HOME/tmrun/logs``, else ``~/.local/state/tmrun/logs``."""
+    if environ.get("TMRUN_LOG_DIR"):
+        return Path(environ["TMRUN_LOG_DIR"])
+    if environ.get("XDG_STATE_HOME"):
+        return Path(environ["XDG_STATE_HOME"]) / "tmrun" / "logs"
+    home = environ.get("HOME") or pwd.getpwuid(os.getuid()).pw_dir
+    return Path(home) / ".local" / "state" / "tmrun" / "logs"
+
+
+def history_path(log_root: Path | str, job: str) -> Path:
+    """``<log_root>/<job>/events.jsonl``."""
+    return Path(log_root) / job / FILE_NAME
+
+
+def list_histories(log_root: Path | str) -> list[str]:
+    """The jobs that have a history file under ``log_root``, by name."""
+    root = Path(log_root)
+    if not root.is_dir():
+        return []
+    return sorted(p.parent.name for p in root.glob(f"*/{FILE_NAME}") if p.is_file())
+
+
+async def read_events(store: Store, job: str) -> list[dict[str, Any]]:
+    """The job's events in time order, as JSON rows (``EventRecord.to_dict``); unreadable ones skipped."""
+    entries, _ = await store.get_prefix(JobKeys(job).events)
+    return _event_rows(entries)
+
+
+def _event_rows(entries: Mapping[str, Entry]) -> list[dict[str, Any]]:
+    rows = []
+    for key in sorted(entries):  # seq: 20-digit nanoseconds, so key order is time order
+        try:
+            rows.append(EventRecord.from_dict(entries[key].value).to_dict())
+        except RecordError:
+            continue
+    return rows
+
+
+async def save_history(store: Store, job: str, log_root: Path | str) -> Path | None:
+    """Write the job's history file from the store; its path, or None (one warning logged) when the
+    store or the file system failed. Never raises for a store that went away."""
+    path = history_path(log_root, job)
+    keys = JobKeys(job)
+    try:
+        entries, _ = await store.get_prefix(keys.root)  # one read: the events and the outcome agree
+    except StoreError as exc:
+        log.warning("job %s: history not saved, the store failed: %s", job, exc)
+        return None
+    rows = _event_rows({k: e for k, e in entries.items() if k.startswith(keys.events)})
+    entry = entries.get(keys.outcome)
+    outcome = None
+    if entry is not None:
+        try:
+            outcome = Outcome.from_dict(entry.value).to_dict()
+        except RecordError:
+            pass
+    header = {"v": SCHEMA, "job": job, "outcome": outcome, "written": time.time()}
+    text = "".join(json.dumps(line, sort_keys=True) + "\n" for line in [header, *rows])
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{FILE_NAME}.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o644)  # mkstemp's 0600 would hide it from others on a shared file system
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as exc:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        log.warning("job %s: history not saved to %s: %s", job, path, exc)
+        return None
+    return path
+
+
+def load_history(path: Path | str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The header and the event rows of a history file.
+
+    JobNotFound when the file does not exist; HistoryError when it cannot be read or is malformed.
+    """
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        raise JobNotFound(f"no history file {path}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise HistoryError(f"history file {path} cannot be read: {exc}") from None
+    docs = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            raise HistoryError(f"history file {path}, line {number}: not JSON") from None
+        if not isinstance(doc, dict):
+            raise HistoryError(f"history file {path}, line {number}: not a JSON object")
+        docs.append((number, doc))
+    if not docs:
+        raise HistoryError(f"history file {path} is empty")
+    _, header = docs[0]
+    if (header.get("v") != SCHEMA or not isinstance(header.get("job"), str)
+            or not isinstance(header.get("outcome", ""), (dict, type(None)))):
+        raise HistoryError(f"history file {path}: line 1 is not a version {SCHEMA} header")
+    if header["outcome"] is not None:
+        try:
+            Outcome.from_dict(header["outcome"])
+        except RecordError as exc:
+            raise HistoryError(f"history file {path}, line 1: {exc}") from None
+    rows = []
+    for number, doc in docs[1:]:
+        try:
+            row = EventRecord.from_dict(doc).to_dict()
+        except RecordError as exc:
+            raise HistoryError(f"history file {path}, line {number}: {exc}") from None
+        if not _well_typed(row):
+            raise HistoryError(f"history file {path}, line {number}: not an event")
+        rows.append(row)
+    return header, rows
+
+
+def _well_typed(row: dict[str, Any]) -> bool:
+    number = (int, float)
+    return (isinstance(row["at"], number) and not isinstance(row["at"], bool) and isinstance(row["kind"], str)
+            and isinstance(row["text"], str) and isinstance(row["gen"], int) and isinstance(row["data"], dict))
