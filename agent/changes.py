@@ -2,26 +2,31 @@
 
 Loops in the agent are level-triggered: they read the keys they care about, act, then wait for
 the next change (or a deadline) with :meth:`Changes.wait`. A broken watch is re-established from
-the last revision seen; if the store stays unreachable the error surfaces to every waiter.
+the last revision seen, for as long as it takes: while etcd is unreachable the loops simply see
+no change (their own reads fail and they decide what an outage means); when it is back, everyone
+is woken once to look again. A watch whose history was compacted away restarts from the present.
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from agent.errors import StoreError
+import tenacity
+
+from agent.errors import StoreCompacted, StoreError
 from agent.store import Store
 
 
 class Changes:
-    def __init__(self, store: Store, prefix: str) -> None:
+    def __init__(self, store: Store, prefix: str, *, max_wait: float = 2.0) -> None:
         self._store = store
         self._prefix = prefix
         self._event = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._error: BaseException | None = None
         self._revision = 0
+        self._max_wait = max_wait
         self.version = 0
+        self.connected = True  # False while the watch is being re-established
 
     async def start(self, start_revision: int) -> None:
         self._revision = start_revision
@@ -34,17 +39,28 @@ class Changes:
                 async for event in watch:
                     self._revision = event.revision + 1
                     self._bump()
-                return  # cancelled
+                return  # cancelled, or the store was closed
             except asyncio.CancelledError:
                 raise
-            except StoreError as exc:
-                try:  # the store's own retry policy bounds how long this may take
-                    watch = await self._store.watch_prefix(self._prefix, start_revision=self._revision)
-                    self._bump()  # events may have been missed: make everyone look again
-                except StoreError:
-                    self._error = exc
-                    self._bump()
-                    return
+            except StoreCompacted:
+                self._revision = 0  # events were lost: continue from the present
+            except StoreError:
+                pass
+            self.connected = False
+            self._bump()
+            watch = await self._rewatch()
+            self.connected = True
+            self._bump()  # events may have been missed: make everyone look again
+
+    async def _rewatch(self):
+        retrying = tenacity.AsyncRetrying(retry=tenacity.retry_if_exception_type(StoreError),
+                                          wait=tenacity.wait_random_exponential(multiplier=0.2, max=self._max_wait))
+        async for attempt in retrying:
+            with attempt:
+                if self._revision == 0:
+                    _, revision = await self._store.get_prefix(self._prefix)
+                    self._revision = revision + 1
+                return await self._store.watch_prefix(self._prefix, start_revision=self._revision)
 
     def _bump(self) -> None:
         self.version += 1
@@ -53,8 +69,6 @@ class Changes:
 
     async def wait(self, seen: int, timeout: float | None = None) -> None:
         """Return once ``version`` moved past ``seen`` or ``timeout`` seconds passed."""
-        if self._error is not None:
-            raise self._error
         if self.version != seen:
             return
         event = self._event
@@ -62,8 +76,6 @@ class Changes:
             await asyncio.wait_for(event.wait(), timeout)
         except asyncio.TimeoutError:
             pass
-        if self._error is not None:
-            raise self._error
 
     async def close(self) -> None:
         if self._task is not None:

@@ -36,6 +36,9 @@ class Timeouts:
       path takes over. 0 turns it off. It must exceed twice ``collective`` (a step's collective and
       its vote may each time out), so that the peers of a hung rank report a broken group (and are
       spared) before the hung rank's watchdog fires.
+    - ``outage``: the control-plane outage bound. An agent that cannot reach etcd keeps its
+      workers training and keeps trying; after this long without a successful lease refresh it
+      stops them cleanly (SIGTERM, ``stop_grace``, SIGKILL) and exits 3. 0: never.
     """
 
     join: float = 600.0
@@ -47,6 +50,7 @@ class Timeouts:
     standby_fill: float = 10.0
     collective: float = 120.0
     progress: float = 300.0
+    outage: float = 900.0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -57,6 +61,9 @@ class Timeouts:
             raise ConfigError(f"lease_ttl must be at least 2 seconds, got {self.lease_ttl}")
         if self.collective <= 0:
             raise ConfigError(f"collective_timeout must be positive, got {self.collective}")
+        if self.outage and self.outage <= self.lease_ttl:
+            raise ConfigError(f"etcd_outage_timeout ({self.outage:g} s) must exceed lease_ttl ({self.lease_ttl} s), "
+                              "or be 0 for no bound")
         if self.progress and self.progress <= 2 * self.collective:
             raise ConfigError(f"progress_timeout ({self.progress:g} s) must exceed twice collective_timeout "
                               f"({self.collective:g} s), or be 0 to turn the hang watchdog off")
@@ -163,6 +170,7 @@ _TIMEOUT_KEYS = {
     "standby_fill_timeout": "standby_fill",
     "collective_timeout": "collective",
     "progress_timeout": "progress",
+    "etcd_outage_timeout": "outage",
 }
 KNOWN_RDZV_CONF = frozenset(_TIMEOUT_KEYS) | {"timeout", "read_timeout", "is_host"}
 

@@ -6,13 +6,16 @@
     ├── ConfigError                 bad flags or configuration (exit code 2)
     ├── StoreError                  anything the key-value store reported
     │   ├── StoreUnavailable        the endpoint cannot be reached, after retries (exit code 3)
-    │   └── StoreCompacted          a watch asked for a revision that was compacted away
-    ├── JobNotFound                 no running job matches (exit code 5)
+    │   ├── StoreCompacted          a watch asked for a revision that was compacted away
+    │   └── LeaseNotFound           a write named a lease that etcd no longer has (it expired)
+    ├── JobNotFound                 no running job matches (events: nor a history file) (exit code 5)
+    ├── HistoryError                a job's history file cannot be read or is malformed (exit code 1)
     ├── UnknownNode                 a node name the job has never seen (exit code 4)
     └── RequestRejected             the leader answered a request with "no" (exit code 6)
 
-    LeaseLost(BaseException)        terminal: this agent's lease expired; fence and stop.
-                                    A BaseException so that no stray ``except Exception``
+    ControlPlaneLost(BaseException) terminal: etcd stayed unreachable past the outage bound;
+                                    stop the workers cleanly and exit (code 3).
+                                    A BaseException, so that no stray ``except Exception``
                                     swallows it.
 
 Third-party errors (aetcd, grpc) are mapped to these at the boundary, in ``etcd_store``.
@@ -57,10 +60,18 @@ class StoreCompacted(StoreError):
         super().__init__(f"revision compacted below {compacted_revision}")
 
 
+class LeaseNotFound(StoreError):
+    """etcd answered that the lease named in a write does not exist (it expired or was revoked)."""
+
+
 class JobNotFound(TmrunError):
     """No running job matches what was asked for, or several do and none was chosen."""
 
     exit_code = 5
+
+
+class HistoryError(TmrunError):
+    """A job's history file (``<log root>/<job>/events.jsonl``) cannot be read or is malformed."""
 
 
 class UnknownNode(TmrunError):
@@ -75,5 +86,7 @@ class RequestRejected(TmrunError):
     exit_code = 6
 
 
-class LeaseLost(BaseException):
-    """This agent's lease expired: its workers must stop before anything else happens."""
+class ControlPlaneLost(BaseException):
+    """etcd stayed unreachable for longer than the outage bound: stop the workers and leave."""
+
+    exit_code = 3

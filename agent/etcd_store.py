@@ -36,7 +36,7 @@ import grpc
 import tenacity
 from aetcd import rpc
 
-from agent.errors import ConfigError, StoreCompacted, StoreError, StoreUnavailable
+from agent.errors import ConfigError, LeaseNotFound, StoreCompacted, StoreError, StoreUnavailable
 from agent.store import Entry, Event, Store, Watch
 
 T = TypeVar("T")
@@ -54,6 +54,16 @@ _CHANNEL_OPTIONS = (
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.http2.max_pings_without_data", 0),
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """One member of the etcd cluster, as ``member list`` shows it."""
+
+    id: int
+    name: str
+    peer_urls: tuple[str, ...]
+    client_urls: tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,6 +248,8 @@ class EtcdStore(Store):
         except aetcd.RevisionCompactedError as exc:
             raise StoreCompacted(exc.compacted_revision) from exc
         except aetcd.ClientError as exc:
+            if "lease not found" in str(exc) or _is_not_found(exc) and "lease" in what:
+                raise LeaseNotFound(f"etcd {what} failed: {exc}") from exc
             raise StoreError(f"etcd {what} failed: {exc}") from exc
 
     # -- reads and writes ----------------------------------------------------------------------
@@ -283,6 +295,31 @@ class EtcdStore(Store):
     async def compact(self, revision: int) -> None:
         """Drop history below ``revision`` (watches from earlier revisions then fail)."""
         await self._call("compact", lambda c: c.compact(revision, physical=True))
+
+    # -- cluster membership (the embedded etcd cluster's keeper, agent/etcd_cluster.py) -----------
+
+    async def members(self) -> list[Member]:
+        """The etcd cluster's members; a member added but not started yet has an empty name."""
+        async def listing(c: _Client) -> list[Member]:
+            return [Member(m.id, m.name, tuple(m.peer_urls), tuple(m.client_urls)) async for m in c.members()]
+
+        return await self._call("member list", listing)
+
+    async def add_member(self, peer_url: str) -> int:
+        """``member add``: the cluster expects a new member at ``peer_url``; returns its id."""
+        member = await self._call("member add", lambda c: c.add_member([peer_url]))
+        return member.id
+
+    async def remove_member(self, member_id: int) -> None:
+        """``member remove``; a member that is already gone is not an error."""
+        async def remove(c: _Client) -> None:
+            try:
+                await c.remove_member(member_id)
+            except aetcd.ClientError as exc:
+                if not _is_not_found(exc):
+                    raise
+
+        await self._call("member remove", remove)
 
     # -- leases --------------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from typing import Callable
 
 from agent.changes import Changes
 from agent.config import AgentConfig
+from agent.errors import LeaseNotFound, StoreUnavailable
 from agent.keys import JobKeys
 from agent.policy import Action, Cluster, Clock, Decision, Limits, NodeView, decide, failure_pending, quorum_reached
 from agent.records import EventRecord, NodeRecord, Outcome, Plan, RecordError, Request
@@ -25,6 +26,8 @@ from agent.store import Entry, Store
 from agent.swap_report import describe, summarize
 
 log = logging.getLogger("tmrun.leader")
+
+RETRY = 1.0  # seconds before looking again while etcd is unavailable
 
 
 def read_cluster(keys: JobKeys, entries: dict[str, Entry]) -> tuple[Cluster, Entry | None]:
@@ -58,7 +61,7 @@ class Leader:
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
         self._cfg = cfg
         self._store = store
-        self._lease = lease
+        self.lease = lease  # the agent gives its new lease here after registering again
         self._changes = changes
         self._keys = JobKeys(cfg.job_id)
         self._clock = clock
@@ -71,21 +74,37 @@ class Leader:
         self.is_leader = False
 
     async def run(self) -> None:
-        """Campaign forever; lead whenever elected (not while this node is being drained)."""
+        """Campaign forever; lead whenever elected (not while this node is being drained).
+
+        While etcd is unreachable (or this agent's lease is being replaced) there is nothing to
+        lead: look again after a short wait. A leader that lost its key stops leading on its next
+        read; its writes are fenced by compare-and-set on the plan's revision.
+        """
         while True:
             seen = self._changes.version
-            current = await self._store.get(self._keys.leader)
-            if current is None and not await self._drain_pending():
-                record = {"v": 1, "node": self._cfg.node, "host": self._cfg.host, "since": self._wall()}
-                if await self._store.create(self._keys.leader, record, lease=self._lease):
-                    log.info("%s leads job %s", self._cfg.node, self._cfg.job_id)
-                    self.is_leader = True
-                    try:
-                        await self._lead()
-                    finally:
-                        self.is_leader = False
-                    continue
-            await self._changes.wait(seen)
+            try:
+                await self._campaign()
+                continue
+            except (StoreUnavailable, LeaseNotFound) as exc:
+                self.is_leader = False
+                log.warning("%s: not leading while etcd is unavailable (%s)", self._cfg.node, exc)
+                await self._changes.wait(seen, RETRY)
+                continue
+
+    async def _campaign(self) -> None:
+        seen = self._changes.version
+        current = await self._store.get(self._keys.leader)
+        if current is None and not await self._drain_pending():
+            record = {"v": 1, "node": self._cfg.node, "host": self._cfg.host, "since": self._wall()}
+            if await self._store.create(self._keys.leader, record, lease=self.lease):
+                log.info("%s leads job %s", self._cfg.node, self._cfg.job_id)
+                self.is_leader = True
+                try:
+                    await self._lead()
+                finally:
+                    self.is_leader = False
+                return
+        await self._changes.wait(seen)
 
     async def _lead(self) -> None:
         rendezvous_since = self._clock()

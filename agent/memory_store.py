@@ -24,7 +24,7 @@ import json
 import time
 from typing import AsyncIterator, Callable
 
-from agent.errors import StoreCompacted, StoreError
+from agent.errors import LeaseNotFound, StoreCompacted, StoreError
 from agent.store import Entry, Event, Store, Watch
 
 FIRST_LEASE_ID = 0x7E57_0000_0001
@@ -98,7 +98,7 @@ class MemoryStore(Store):
 
     def _check_lease(self, lease: int) -> None:
         if lease and lease not in self._leases:
-            raise StoreError(f"lease {lease:x} not found")
+            raise LeaseNotFound(f"lease {lease:x} not found")
 
     # -- reads and writes ----------------------------------------------------------------------
 

@@ -4,7 +4,16 @@ One agent per node (per ``node-N`` in a local cluster). Its life::
 
     register (nodes/<node>, bound to a lease) ─► follow the plan ─► outcome written ─► exit
                     │                                 │
-                    └── keepalive; lease lost ──► kill workers at once (fencing) ─► exit 7
+                    └── keepalive ── etcd unreachable: workers keep training; keep trying
+                                 ├── lease gone when etcd answers: register again, reconcile
+                                 └── unreachable past the outage bound: stop workers ─► exit 3
+
+An agent that cannot reach etcd cannot tell whether it was replaced or etcd is down for
+everyone, so it never stops its workers for that alone: a control-plane outage must not cost
+training time. What keeps a replaced node's workers from training beside their replacements is
+the generation's group, not the lease: see "Fencing" in docs/design.md. When etcd answers again,
+the agent reads the plan like after any change; if it was replaced meanwhile, the plan says so
+and it stops its workers.
 
 Following the plan is level-triggered: on every change the agent reads ``plan`` and ``outcome``;
 if it is a member of a generation it is not running yet, it stops its old workers first (so no
@@ -32,7 +41,7 @@ from pathlib import Path
 
 from agent.changes import Changes
 from agent.config import AgentConfig
-from agent.errors import ConfigError, LeaseLost, StoreError
+from agent.errors import ConfigError, ControlPlaneLost, LeaseNotFound, StoreError, StoreUnavailable
 from agent.keys import JobKeys
 from agent.leader import Leader
 from agent.output import OutputRouter
@@ -44,7 +53,8 @@ from agent.workers import GroupResult, WorkerGroup, WorkerLaunch
 
 log = logging.getLogger("tmrun.agent")
 
-EXIT_OK, EXIT_FAILED, EXIT_LEASE_LOST = 0, 1, 7
+EXIT_OK, EXIT_FAILED, EXIT_STORE = 0, 1, 3
+RETRY = 1.0  # seconds between attempts to reach etcd while it is unreachable
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
@@ -72,6 +82,9 @@ class NodeAgent:
         self._prepared_at: dict[int, float] = {}  # gen -> when this agent told its workers (phase 1 start)
         self._progress_at: float | None = None  # the hang watchdog is armed while this is set
         self._dirty = asyncio.Event()
+        self._resync = False  # the node's state could not be reported: report it on the next look
+        self._outage_since: float | None = None  # when etcd stopped answering (monotonic)
+        self._leader: Leader | None = None
         own_logs = cfg.worker.log_dir is None
         self._log_root = Path(tempfile.mkdtemp(prefix=f"tmrun-{cfg.node}-")) if own_logs else Path(cfg.worker.log_dir)
         self._own_log_root = own_logs
@@ -81,7 +94,6 @@ class NodeAgent:
         for sig in HANDLED_SIGNALS:
             loop.add_signal_handler(sig, self._on_signal, sig)
         background: list[asyncio.Task] = []
-        lease_lost = False
         try:
             await self._clear_finished_job()
             self._lease = await self._store.grant_lease(self.cfg.timeouts.lease_ttl)
@@ -92,18 +104,15 @@ class NodeAgent:
             await self._channel.start()
             log.info("%s joined job %s (host %s, %d slots)", self.cfg.node, self.cfg.job_id, self.cfg.host,
                      self.cfg.worker.nproc_per_node)
-            leader = Leader(self.cfg, self._store, self._lease, self._changes)
-            background = [asyncio.ensure_future(self._keepalive()), asyncio.ensure_future(leader.run()),
-                          asyncio.ensure_future(self._watchdog())]
+            self._leader = Leader(self.cfg, self._store, self._lease, self._changes)
+            background = [asyncio.ensure_future(self._keepalive()), asyncio.ensure_future(self._leader.run()),
+                          asyncio.ensure_future(self._watchdog()), *self._extra_tasks()]
             return await self._follow(background)
-        except (LeaseLost, StoreError) as exc:
-            if isinstance(exc, StoreError) and "lease not found" not in str(exc):
-                raise
-            lease_lost = True
-            if self._group is not None:
-                self._group.kill_now()
-            log.error("%s lost its lease: workers killed, leaving the job", self.cfg.node)
-            return EXIT_LEASE_LOST
+        except ControlPlaneLost as exc:
+            log.error("%s: %s; stopping the workers (SIGTERM, then SIGKILL after %.0f s) and leaving",
+                      self.cfg.node, exc, self.cfg.timeouts.stop_grace)
+            await self._stop_workers()
+            return EXIT_STORE
         finally:
             await self._stop_workers()
             for task in background:
@@ -112,7 +121,7 @@ class NodeAgent:
             await self._changes.close()
             await self._channel.close()
             shutil.rmtree(self._socket_dir, ignore_errors=True)
-            if self._lease and not lease_lost:
+            if self._lease:
                 try:
                     await self._store.revoke_lease(self._lease)
                 except StoreError:
@@ -120,6 +129,10 @@ class NodeAgent:
             await self._store.close()
             if self._own_log_root:
                 shutil.rmtree(self._log_root, ignore_errors=True)
+
+    def _extra_tasks(self) -> list[asyncio.Task]:
+        """Background tasks beside keepalive, leader and watchdog (the etcd member host, when any)."""
+        return []
 
     async def _clear_finished_job(self) -> None:
         """A job id that already ran to an outcome (a persistent etcd, a requeued SLURM job) starts afresh."""
@@ -142,36 +155,73 @@ class NodeAgent:
             if self._signal.is_set():
                 log.info("%s: %s received, stopping", self.cfg.node, signal.Signals(self._signum).name)
                 return 128 + self._signum
-            outcome_entry = await self._store.get(self._keys.outcome)
-            if outcome_entry is not None:
-                outcome = Outcome.from_dict(outcome_entry.value)
-                await self._stop_workers()
-                return EXIT_OK if outcome.state == "succeeded" else EXIT_FAILED
-            plan_entry = await self._store.get(self._keys.plan)
-            if plan_entry is not None:
-                leave = await self._reconcile(Plan.from_dict(plan_entry.value))
-                if leave:
-                    return EXIT_OK
+            retry = None
+            try:
+                code = await self._sync()
+                if code is not None:
+                    return code
+                if self._outage_since is not None:
+                    log.warning("%s: etcd answers again after %.1f s; the workers kept running", self.cfg.node,
+                                time.monotonic() - self._outage_since)
+                    self._outage_since = None
+            except StoreUnavailable as exc:
+                if self._outage_since is None:
+                    self._outage_since = time.monotonic()
+                    log.warning("%s: %s; the workers keep running, retrying", self.cfg.node, exc)
+                self._resync = True
+                retry = RETRY
+            except LeaseNotFound:
+                await self._reregister()
+                continue
             waiters = [asyncio.ensure_future(self._changes.wait(seen)), asyncio.ensure_future(self._signal.wait()),
                        asyncio.ensure_future(self._dirty.wait())]
             if self._group_wait is not None:
                 waiters.append(self._group_wait)
-            done, _ = await asyncio.wait(waiters + background, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(waiters + background, timeout=retry, return_when=asyncio.FIRST_COMPLETED)
             for task in waiters[:3]:
                 if task not in done:
                     task.cancel()
-            if self._dirty.is_set():
-                self._dirty.clear()
-                await self._report(self._run)
             for task in done:
                 if task in background:
-                    task.result()  # re-raises LeaseLost or a store error
+                    task.result()  # re-raises ControlPlaneLost or a bug
                     raise RuntimeError("a background task of the agent ended")
-            if self._group_wait is not None and self._group_wait.done():
-                await self._on_group_done(self._group_wait.result())
-            done_waiter = waiters[0]
-            if done_waiter in done:
-                done_waiter.result()
+
+    async def _sync(self) -> int | None:
+        """One look at etcd: report what changed here, then follow ``outcome`` and ``plan``.
+
+        Returns an exit code when this agent is done. Raises StoreUnavailable when etcd cannot be
+        reached; nothing here is lost then (the node's state stays in ``self._run`` and is
+        reported on the next successful look).
+        """
+        if self._group_wait is not None and self._group_wait.done():
+            await self._on_group_done(self._group_wait.result())
+        if self._dirty.is_set() or self._resync:
+            self._dirty.clear()
+            await self._report(self._run)
+            self._resync = False
+        outcome_entry = await self._store.get(self._keys.outcome)
+        if outcome_entry is not None:
+            outcome = Outcome.from_dict(outcome_entry.value)
+            await self._stop_workers()
+            return EXIT_OK if outcome.state == "succeeded" else EXIT_FAILED
+        plan_entry = await self._store.get(self._keys.plan)
+        if plan_entry is not None and await self._reconcile(Plan.from_dict(plan_entry.value)):
+            return EXIT_OK
+        return None
+
+    async def _reregister(self) -> None:
+        """etcd answered that this agent's lease is gone: take a new one and publish the node again.
+
+        Whatever happened meanwhile is in the plan, which the agent reads next: still a member,
+        nothing changes; replaced, it stops its workers (``_reconcile``).
+        """
+        old = self._lease
+        self._lease = await self._store.grant_lease(self.cfg.timeouts.lease_ttl)
+        if self._leader is not None:
+            self._leader.lease = self._lease
+        await self._store.put(self._keys.node(self.cfg.node), self._record().to_dict(), lease=self._lease)
+        log.warning("%s: its lease %x had expired; registered again with lease %x", self.cfg.node, old, self._lease)
+        self._dirty.set()
 
     async def _reconcile(self, plan: Plan) -> bool:
         """Bring this node in line with ``plan``; True when this node must leave the job."""
@@ -352,7 +402,11 @@ class NodeAgent:
 
     async def _report(self, run: RunState) -> None:
         self._run = run
-        await self._store.put(self._keys.node(self.cfg.node), self._record().to_dict(), lease=self._lease)
+        try:
+            await self._store.put(self._keys.node(self.cfg.node), self._record().to_dict(), lease=self._lease)
+        except StoreUnavailable:
+            self._resync = True  # kept in self._run: reported on the next successful look
+            raise
 
     def _record(self) -> NodeRecord:
         cfg = self.cfg
@@ -377,19 +431,25 @@ class NodeAgent:
             group.kill_hung()
 
     async def _keepalive(self) -> None:
-        """Refresh the lease every third of its TTL; raise LeaseLost once it is gone."""
-        ttl = self.cfg.timeouts.lease_ttl
+        """Refresh the lease every third of its TTL, for as long as the agent runs.
+
+        etcd unreachable: keep trying, the workers keep running; past the outage bound
+        (``timeouts.outage``), ControlPlaneLost ends the agent. etcd answers that the lease is
+        gone: register again.
+        """
+        ttl, bound = self.cfg.timeouts.lease_ttl, self.cfg.timeouts.outage
         last_ok = time.monotonic()
         while True:
             await asyncio.sleep(ttl / 3)
             try:
-                remaining = await self._store.refresh_lease(self._lease)
-            except StoreError as exc:
-                if time.monotonic() - last_ok > ttl:
-                    raise LeaseLost(f"no keepalive for {ttl} s: {exc}") from exc
+                if await self._store.refresh_lease(self._lease) <= 0:
+                    await self._reregister()
+            except (StoreUnavailable, LeaseNotFound) as exc:
+                away = time.monotonic() - last_ok
+                if bound and away > bound:
+                    raise ControlPlaneLost(f"etcd at {self._store.endpoint} unreachable for {away:.0f} s "
+                                           f"(outage bound {bound:g} s, etcd_outage_timeout)") from exc
                 continue
-            if remaining <= 0:
-                raise LeaseLost("the lease expired")
             last_ok = time.monotonic()
 
 

@@ -26,21 +26,21 @@ from typing import Annotated, Optional
 import typer
 
 from agent.config import AgentConfig, WorkerSpec, parse_nnodes, parse_rdzv_conf, timeouts_from_conf, KNOWN_RDZV_CONF
-from agent.errors import ConfigError, TmrunError
+from agent.errors import ConfigError, JobNotFound, TmrunError
 from agent.output import parse_std_spec
 from agent.slurm import default_endpoint, detect_slurm
 from tmrun import console
-from tmrun.jobs import JobRef, find_job, runtime_dir
+from tmrun.jobs import JobRef, find_job, running_jobs, runtime_dir
 
 EXIT_CODES = {
     0: "success (the job succeeded; a drain completed)",
     1: "the job failed (a worker failed beyond the standby pool and --max-restarts, or rendezvous timed out)",
     2: "usage error: unknown or malformed flag, missing script, inconsistent values",
-    3: "etcd is unreachable (after bounded retries)",
+    3: "etcd is unreachable (after bounded retries), or stayed unreachable for longer than the outage bound "
+       "while the job ran (the workers were stopped cleanly)",
     4: "unknown node",
-    5: "no running job found, or several and none chosen with --job",
+    5: "no running job found, or several and none chosen with --job (events: and no history file either)",
     6: "the leader rejected the request (for example: nobody can take the drained node's place)",
-    7: "this agent lost its etcd lease and stopped its workers",
     130: "interrupted (SIGINT)",
     143: "terminated (SIGTERM)",
 }
@@ -204,6 +204,13 @@ def _with_log_dir(common: dict) -> dict:
     return {**common, "worker": worker}
 
 
+def _log_root(worker: WorkerSpec) -> Path:
+    """Where the job's history file goes: ``--log-dir``, else the default log root (agent/history.py)."""
+    from agent.history import default_log_root
+
+    return Path(worker.log_dir) if worker.log_dir else default_log_root(os.environ)
+
+
 def _launch_local(rdzv_id: str, standby: int, common: dict) -> int:
     from tmrun.launch import run_local_cluster
 
@@ -213,7 +220,7 @@ def _launch_local(rdzv_id: str, standby: int, common: dict) -> int:
     total = common["max_nodes"] + standby
     configs = [AgentConfig(job_id=job, node=f"node-{i}", host="127.0.0.1", endpoint="",
                            standby_hint=i >= common["max_nodes"], **common) for i in range(total)]
-    return run_local_cluster(configs, runtime_dir(os.environ), console.info)
+    return run_local_cluster(configs, runtime_dir(os.environ), console.info, _log_root(common["worker"]))
 
 
 def _launch_node(rdzv_id: str, endpoint: str, node_name: str | None, local_addr: str | None, standby: int,
@@ -250,7 +257,7 @@ def _launch_node(rdzv_id: str, endpoint: str, node_name: str | None, local_addr:
     from agent.__main__ import setup_logging
 
     setup_logging(name)
-    return run_node(cfg, etcd, console.info)
+    return run_node(cfg, etcd, console.info, _log_root(cfg.worker))
 
 
 def _check_job_id(job: str) -> None:
@@ -364,16 +371,55 @@ def drain_cmd(node: Annotated[str, typer.Argument(help="Node name, as in tmrun s
     return 0
 
 
-@admin_app.command("events", help="Show the job's history: generations, failures, drains.")
+@admin_app.command("events", help="Show the job's history: generations, failures, drains. "
+                   "A job that has ended is read from its history file.")
 def events_cmd(job: JobOpt = None, endpoint: EndpointOpt = None,
                as_json: Annotated[bool, typer.Option("--json", help="JSON for scripts.")] = False,
-               store_timeout: TimeoutOpt = 10.0) -> int:
+               store_timeout: TimeoutOpt = 10.0,
+               log_dir: Annotated[Optional[str], typer.Option(
+                   "--log-dir", envvar="TMRUN_LOG_DIR", show_envvar=True,
+                   help="Log root of finished jobs' history files (default: $XDG_STATE_HOME/tmrun/logs, "
+                   "else ~/.local/state/tmrun/logs).")] = None) -> int:
     from tmrun import admin
 
-    ref = _job_ref(job, endpoint)
-    rows = _admin(ref, store_timeout, lambda store: admin.events(store, ref.job))
+    try:
+        ref = _job_ref(job, endpoint)
+    except JobNotFound:
+        runtime = runtime_dir(os.environ)
+        if job is None and running_jobs(runtime):
+            raise  # several jobs run: choosing one is the answer, not a history
+        rows = _history_rows(job, log_dir, runtime, quiet=as_json)
+    else:
+        rows = _admin(ref, store_timeout, lambda store: admin.events(store, ref.job))
     console.print_json(rows) if as_json else console.print_events(rows)
     return 0
+
+
+def _history_rows(job: str | None, log_dir: str | None, runtime: Path, quiet: bool) -> list[dict]:
+    """A finished job's events from ``<log root>/<job>/events.jsonl``; with no ``job``, the only history."""
+    from agent.history import default_log_root, history_path, list_histories, load_history
+
+    root = Path(log_dir) if log_dir else default_log_root(os.environ)
+    if job is None:
+        found = list_histories(root)
+        if not found:
+            raise JobNotFound(f"no running tmrun job found in {runtime} and no job history in {root}; "
+                              "give --job, --log-dir or --rdzv-endpoint")
+        if len(found) > 1:
+            names = ", ".join(found[:5]) + (", ..." if len(found) > 5 else "")
+            raise JobNotFound(f"no running tmrun job found in {runtime}, and {len(found)} job histories in "
+                              f"{root} ({names}); choose one with --job")
+        job = found[0]
+    path = history_path(root, job)
+    try:
+        header, rows = load_history(path)
+    except JobNotFound:
+        raise JobNotFound(f"no job {job!r}: not running (looked in {runtime}) and no history file {path}") from None
+    if not quiet:
+        outcome = header["outcome"]
+        ended = f"{outcome['state']}: {outcome['reason']}" if outcome else "no outcome"
+        console.info(f"job {job} has ended ({ended}); its history from {path}")
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,9 @@
   them. Ctrl-C or SIGTERM stops everything; agents, workers and etcd never outlive this process.
 - Node mode (an endpoint, or SLURM): run this node's agent in this process. Under SLURM with no
   endpoint, the allocation's first node also hosts an embedded etcd for the job.
+
+In both, once the agents are done and before etcd stops, the job's events and outcome are copied
+to its history file ``<log root>/<job>/events.jsonl`` (:mod:`agent.history`) for ``tmrun events``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from typing import Callable
 
 from agent.config import AgentConfig
 from agent.errors import StoreError
+from agent.etcd_member import keep_alive
 from agent.etcd_server import EmbeddedEtcd
+from agent.history import save_history
 from agent.keys import JobKeys
 from agent.node import HANDLED_SIGNALS, make_store, run_agent
 from agent.records import Outcome
@@ -45,8 +50,14 @@ async def _read_outcome(cfg: AgentConfig) -> Outcome | None:
         await store.close()
 
 
-async def _supervise_agents(configs: list[AgentConfig], grace: float) -> tuple[list[int], int]:
-    """Start one agent process per config; wait for all. Returns their exit codes and the signal."""
+async def _supervise_agents(configs: list[AgentConfig], grace: float,
+                            etcd: EmbeddedEtcd | None = None,
+                            report: Callable[[str], None] = log.warning) -> tuple[list[int], int]:
+    """Start one agent process per config; wait for all. Returns their exit codes and the signal.
+
+    Meanwhile the job's embedded etcd is kept alive: restarted from its data directory if it dies.
+    """
+    keeper = asyncio.ensure_future(keep_alive(etcd, report)) if etcd else None
     procs = []
     for cfg in configs:
         argv = die_with_parent([sys.executable, "-m", "agent", "--config", cfg.to_json()], signal.SIGTERM)
@@ -78,9 +89,13 @@ async def _supervise_agents(configs: list[AgentConfig], grace: float) -> tuple[l
     finally:
         for sig in HANDLED_SIGNALS:
             loop.remove_signal_handler(sig)
+        if keeper is not None:
+            keeper.cancel()
+            await asyncio.gather(keeper, return_exceptions=True)
 
 
-def run_local_cluster(configs: list[AgentConfig], runtime: Path, report: Callable[[str], None]) -> int:
+def run_local_cluster(configs: list[AgentConfig], runtime: Path, report: Callable[[str], None],
+                      log_root: Path | None = None) -> int:
     """Run a whole job on this machine; returns the job's exit code."""
     job = configs[0].job_id
     with tempfile.TemporaryDirectory(prefix=f"tmrun-{job}-etcd-") as data_dir:
@@ -92,13 +107,32 @@ def run_local_cluster(configs: list[AgentConfig], runtime: Path, report: Callabl
             runtime_file = write_runtime_file(runtime, job, endpoint, os.getpid(), time.time())
             report(f"job {job}: {len(configs)} agents, etcd at {endpoint}")
             try:
-                codes, sig = asyncio.run(_supervise_agents(configs, configs[0].timeouts.stop_grace))
+                codes, sig = asyncio.run(_supervise_agents(configs, configs[0].timeouts.stop_grace, etcd, report))
                 outcome = asyncio.run(_read_outcome(configs[0]))
+                _save_history(configs[0], log_root, report)
             finally:
                 runtime_file.unlink(missing_ok=True)
         finally:
             etcd.stop()
     return _exit_code(job, outcome, sig, codes, report)
+
+
+def _save_history(cfg: AgentConfig, log_root: Path | None, report: Callable[[str], None]) -> None:
+    """Copy the job's events and outcome to ``<log_root>/<job>/events.jsonl`` while etcd is still up,
+    for ``tmrun events`` after the job (agent/history.py). A store that is gone costs one warning."""
+    if log_root is None:
+        return
+
+    async def save() -> Path | None:
+        store = make_store(dataclasses.replace(cfg, timeouts=dataclasses.replace(cfg.timeouts, store_retry=2.0)))
+        try:
+            return await save_history(store, cfg.job_id, log_root)
+        finally:
+            await store.close()
+
+    path = asyncio.run(save())
+    if path is not None:
+        report(f"job {cfg.job_id}: history in {path}")
 
 
 def _exit_code(job: str, outcome: Outcome | None, sig: int, codes: list[int],
@@ -116,10 +150,12 @@ def _exit_code(job: str, outcome: Outcome | None, sig: int, codes: list[int],
     return EXIT_FAILED
 
 
-def run_node(cfg: AgentConfig, etcd: EmbeddedEtcd | None, report: Callable[[str], None]) -> int:
+def run_node(cfg: AgentConfig, etcd: EmbeddedEtcd | None, report: Callable[[str], None],
+             log_root: Path | None = None) -> int:
     """Run this node's agent in-process (multi-node jobs); host etcd when given one."""
     try:
         code = asyncio.run(run_agent(cfg))
+        _save_history(cfg, log_root, report)
         if etcd is not None:
             asyncio.run(_wait_for_others(cfg))
         return code
