@@ -69,6 +69,8 @@ def node_address(hostname: str, peers: Iterable[str] = (), override: str | None 
         if not found:
             raise ConfigError(f"--local-addr {override!r} does not resolve to an address")
         return found[0]
+    if _is_ip(hostname):
+        return hostname
     own = [a for a in resolver(hostname) if not is_loopback(a)]
     if own:
         return own[0]

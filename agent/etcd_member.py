@@ -1,4 +1,4 @@
-"""Keeping this machine's embedded etcd member alive while the job runs.
+"""Keeping this machine's embedded etcd member alive while the job runs, and the SLURM cluster whole.
 
 A member that dies (its process killed, a crash) is started again from its data directory, on
 the same ports, so that it rejoins its cluster with everything it had: the local cluster's
@@ -22,16 +22,23 @@ import asyncio
 import collections
 import logging
 import os
+import shutil
 import time
+from pathlib import Path
 from typing import Callable
 
+import tenacity
+
 from agent.errors import StoreError
+from agent.etcd_cluster import START_TIMEOUT, Layout, MemberView, host_of, next_repair
 from agent.etcd_server import EmbeddedEtcd
+from agent.records import EventRecord, Plan
 
 log = logging.getLogger("tmrun.etcd")
 
 RESTARTS_PER_MINUTE = 3
 READY_TIMEOUT = 60.0
+KEEPER_TICK = 2.0  # seconds between looks at the member list when no key changes
 
 
 async def wait_exit(pid: int) -> None:
@@ -84,3 +91,154 @@ async def keep_alive(server: EmbeddedEtcd, report: Callable[[str], None] = log.w
             report(f"etcd member {server.name} did not come back: {exc}")
             continue
         report(f"etcd member {server.name} is back at {server.endpoint}")
+
+
+class MemberHost:
+    """This node's part in a SLURM job's embedded etcd cluster (see :mod:`agent.etcd_cluster`).
+
+    ``boot`` (before the agent registers, in the main thread) starts the member when this node is
+    one of the first hosts. While the agent runs, ``run`` keeps the member alive, starts one when
+    the keeper assigns this node a member (key ``etcd/<node>``), and, on the leader's agent, runs
+    the keeper. After the agent is done, ``release`` keeps the member up until it is no longer
+    needed (the other agents left, or the cluster removed it), and ``close`` stops it and removes
+    its data.
+    """
+
+    def __init__(self, layout: Layout, node: str, address: str, data_root: Path,
+                 report: Callable[[str], None] = log.warning, wall: Callable[[], float] = time.time) -> None:
+        self.layout = layout
+        self.node = node
+        self.address = address
+        self.data_dir = data_root / f"etcd-{node}"
+        self.server: EmbeddedEtcd | None = None
+        self._report = report
+        self._wall = wall
+        self._alive: asyncio.Task | None = None
+        self._assignment_at: float | None = None
+        self._stale: set[str] = set()
+
+    def _server(self, cluster: dict[str, str], state: str) -> EmbeddedEtcd:
+        shutil.rmtree(self.data_dir, ignore_errors=True)  # a fresh member: no state of another run
+        return EmbeddedEtcd(self.data_dir, host=self.address, advertise_host=self.node,
+                            client_port=self.layout.client_port, peer_port=self.layout.peer_port,
+                            name=self.layout.name(self.node), initial_cluster=cluster, cluster_state=state)
+
+    def boot(self, timeout: float = READY_TIMEOUT) -> None:
+        """Start this node's initial member, if it has one, and wait until the cluster serves."""
+        if self.node not in self.layout.initial_hosts:
+            return
+        self.server = self._server(self.layout.initial_cluster(), "new")
+        self.server.spawn()
+        try:
+            self.server.wait_ready(timeout)
+        except StoreError:
+            self.close()
+            raise
+
+    async def run(self, store, changes, leader, keys) -> None:
+        """Keep the member alive, start an assigned one, and keep the cluster whole while leading."""
+        if self.server is not None:
+            self._alive = asyncio.ensure_future(keep_alive(self.server, self._report))
+        try:
+            while True:
+                seen = changes.version
+                try:
+                    await self._follow_assignment(store, keys)
+                    if leader.is_leader:
+                        await self._keep(store, keys)
+                except StoreError as exc:  # unreachable or no quorum: the next change or tick tries again
+                    log.debug("etcd cluster check failed: %s", exc)
+                await changes.wait(seen, KEEPER_TICK)
+        finally:
+            if self._alive is not None:
+                self._alive.cancel()
+                await asyncio.gather(self._alive, return_exceptions=True)
+
+    async def _follow_assignment(self, store, keys) -> None:
+        entry = await store.get(keys.etcd_member(self.node))
+        if entry is None or entry.value.get("v") != 1 or entry.value.get("at") == self._assignment_at:
+            return
+        self._assignment_at = entry.value.get("at")
+        cluster = {str(k): str(v) for k, v in dict(entry.value.get("cluster", {})).items()}
+        if self._alive is not None:
+            self._alive.cancel()
+            await asyncio.gather(self._alive, return_exceptions=True)
+        if self.server is not None:
+            self.server.stop(grace=1.0)
+        self._report(f"{self.node} joins the job's etcd cluster as a new member ({len(cluster)} members)")
+        self.server = self._server(cluster, "existing")
+        try:
+            await start(self.server)
+        except StoreError as exc:
+            self._report(f"{self.node}: the new etcd member did not start: {exc}")
+            return
+        self._report(f"{self.node}: etcd member {self.server.name} serves at {self.server.endpoint}")
+        self._alive = asyncio.ensure_future(keep_alive(self.server, self._report))
+
+    async def _keep(self, store, keys) -> None:
+        """The leader's agent: one repair of the member list when a member's node left the job."""
+        entries, _ = await store.get_prefix(keys.root)
+        if keys.plan not in entries or keys.outcome in entries:
+            return  # before the first generation nodes are still arriving; after the end, nothing to keep
+        plan = Plan.from_dict(entries[keys.plan].value)
+        live = {keys.relative(k)[len("nodes/"):] for k in entries if keys.relative(k).startswith("nodes/")}
+        leaving = {node for node, why in plan.out.items() if why == "drained"}
+        members = await store.members()
+        views = [MemberView(m.id, host_of(m.peer_urls), bool(m.name)) for m in members]
+        now = self._wall()
+        for key, entry in entries.items():
+            rel = keys.relative(key)
+            if rel.startswith("etcd/") and now - float(entry.value.get("at", now)) > START_TIMEOUT \
+                    and any(v.node == rel[5:] and not v.started for v in views):
+                self._stale.add(rel[5:])
+        repair = next_repair(views, live, leaving, self.layout.hosts, self._stale, self.layout.size)
+        if repair.action == "remove":
+            await store.remove_member(repair.member_id)
+            await store.delete(keys.etcd_member(repair.node))
+        elif repair.action == "add":
+            cluster = {m.name: m.peer_urls[0] for m in members if m.name and m.peer_urls}
+            cluster[self.layout.name(repair.node)] = self.layout.peer_url(repair.node)
+            await store.add_member(self.layout.peer_url(repair.node))
+            await store.put(keys.etcd_member(repair.node), {"v": 1, "node": repair.node, "cluster": cluster,
+                                                           "at": now})
+        else:
+            return
+        self._report(f"etcd cluster: {repair.action} a member: {repair.reason}")
+        record = EventRecord(now, "etcd", f"etcd member {repair.action}: {repair.reason}", plan.gen,
+                             {"node": repair.node, "members": len(members) + (1 if repair.action == "add" else -1)})
+        await store.put(keys.event(time.time_ns()), record.to_dict())
+
+    async def release(self, store, keys, job_ended: bool, limit: float = 30.0) -> None:
+        """Keep the member up while it is still needed, at most ``limit`` seconds.
+
+        The job ended: until every other agent has left (they must see the outcome). This node
+        left a running job: until the keeper removed its member (the cluster stays whole).
+        """
+        if self.server is None or not self.server.running():
+            return
+        deadline = time.monotonic() + limit
+        retrying = tenacity.AsyncRetrying(stop=tenacity.stop_before_delay(limit), wait=tenacity.wait_fixed(0.5),
+                                          retry=tenacity.retry_if_result(bool), retry_error_callback=lambda _: None)
+        if job_ended:
+            async def others() -> bool:
+                try:
+                    entries, _ = await store.get_prefix(keys.nodes)
+                except StoreError:
+                    return False
+                return bool(entries)
+            await retrying(others)
+        else:
+            name = self.layout.name(self.node)
+
+            async def still_member() -> bool:
+                try:
+                    return any(m.name == name for m in await store.members())
+                except StoreError:
+                    return time.monotonic() < deadline
+            await retrying(still_member)
+
+    def close(self) -> None:
+        """Stop the member and remove its data (the job's cluster is over for this node)."""
+        if self.server is not None:
+            self.server.stop()
+        shutil.rmtree(self.data_dir, ignore_errors=True)

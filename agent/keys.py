@@ -51,6 +51,10 @@ class JobKeys:
     def event(self, seq: int) -> str:
         return f"{self.events}{seq:020d}"
 
+    def etcd_member(self, node: str) -> str:
+        """The keeper's word to ``node``: start a new member of the job's etcd cluster."""
+        return f"{self.root}etcd/{node}"
+
     def relative(self, key: str) -> str:
         """``/tmrun/job/nodes/node-0`` → ``nodes/node-0``."""
         return key[len(self.root):] if key.startswith(self.root) else key

@@ -41,6 +41,7 @@ from pathlib import Path
 
 from agent.changes import Changes
 from agent.config import AgentConfig
+from agent.etcd_member import MemberHost
 from agent.errors import ConfigError, ControlPlaneLost, LeaseNotFound, StoreError, StoreUnavailable
 from agent.keys import JobKeys
 from agent.leader import Leader
@@ -59,8 +60,9 @@ HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
 class NodeAgent:
-    def __init__(self, cfg: AgentConfig, store: Store) -> None:
+    def __init__(self, cfg: AgentConfig, store: Store, hosting: MemberHost | None = None) -> None:
         self.cfg = cfg
+        self._hosting = hosting
         self._store = store
         self._keys = JobKeys(cfg.job_id)
         self._lease = 0
@@ -132,7 +134,9 @@ class NodeAgent:
 
     def _extra_tasks(self) -> list[asyncio.Task]:
         """Background tasks beside keepalive, leader and watchdog (the etcd member host, when any)."""
-        return []
+        if self._hosting is None:
+            return []
+        return [asyncio.ensure_future(self._hosting.run(self._store, self._changes, self._leader, self._keys))]
 
     async def _clear_finished_job(self) -> None:
         """A job id that already ran to an outcome (a persistent etcd, a requeued SLURM job) starts afresh."""
@@ -464,5 +468,5 @@ def make_store(cfg: AgentConfig) -> Store:
     return EtcdStore(parse_endpoint(cfg.endpoint), tls=tls, retry_deadline=cfg.timeouts.store_retry)
 
 
-async def run_agent(cfg: AgentConfig) -> int:
-    return await NodeAgent(cfg, make_store(cfg)).run()
+async def run_agent(cfg: AgentConfig, hosting: MemberHost | None = None) -> int:
+    return await NodeAgent(cfg, make_store(cfg), hosting).run()

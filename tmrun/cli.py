@@ -28,7 +28,7 @@ import typer
 from agent.config import AgentConfig, WorkerSpec, parse_nnodes, parse_rdzv_conf, timeouts_from_conf, KNOWN_RDZV_CONF
 from agent.errors import ConfigError, JobNotFound, TmrunError
 from agent.output import parse_std_spec
-from agent.slurm import default_endpoint, detect_slurm
+from agent.slurm import detect_slurm
 from tmrun import console
 from tmrun.jobs import JobRef, find_job, running_jobs, runtime_dir
 
@@ -225,23 +225,20 @@ def _launch_local(rdzv_id: str, standby: int, common: dict) -> int:
 
 def _launch_node(rdzv_id: str, endpoint: str, node_name: str | None, local_addr: str | None, standby: int,
                  slurm, common: dict) -> int:
-    from agent.etcd_server import EmbeddedEtcd
     from tmrun.launch import run_node
 
-    etcd = None
+    hosting = None
     if slurm is not None:
+        from agent.address import node_address
+
         job = rdzv_id if rdzv_id != "none" else f"slurm-{slurm.job_id}"
         _check_job_id(job)  # before anything is started
         name = node_name or slurm.this_host
-        host = local_addr or slurm.this_host
+        host = node_address(slurm.this_host, peers=slurm.hosts, override=local_addr)
         hint = slurm.node_id >= common["max_nodes"]
         if not endpoint:
-            endpoint = default_endpoint(slurm)
-            if slurm.node_id == 0:
-                port = int(endpoint.rsplit(":", 1)[1])
-                data = Path(os.environ.get("TMPDIR", "/tmp")) / f"tmrun-{job}-etcd"
-                etcd = EmbeddedEtcd(data, host=slurm.first_host, client_port=port)
-                etcd.start()
+            hosting = _etcd_member_host(slurm, job, name, host)
+            endpoint = hosting.layout.endpoint
     else:
         job = rdzv_id if rdzv_id != "none" else "default"
         name = node_name or socket.gethostname()
@@ -253,11 +250,22 @@ def _launch_node(rdzv_id: str, endpoint: str, node_name: str | None, local_addr:
     _check_job_id(job)
     common = _with_log_dir(common)
     cfg = AgentConfig(job_id=job, node=name, host=host, endpoint=endpoint, standby_hint=hint,
-                      hosts_store=etcd is not None, **common)
+                      hosts_store=hosting is not None, **common)
     from agent.__main__ import setup_logging
 
     setup_logging(name)
-    return run_node(cfg, etcd, console.info, _log_root(cfg.worker))
+    if hosting is not None:
+        hosting.boot()  # the job's etcd cluster is up (this node's member too, if it has one)
+    return run_node(cfg, hosting, console.info, _log_root(cfg.worker))
+
+
+def _etcd_member_host(slurm, job: str, name: str, address: str):
+    """This node's part in the job's embedded etcd cluster (agent/etcd_cluster.py)."""
+    from agent.etcd_cluster import layout_for
+    from agent.etcd_member import MemberHost
+
+    data_root = Path(os.environ.get("TMPDIR") or tempfile.gettempdir()) / f"tmrun-{job}"
+    return MemberHost(layout_for(slurm), name, address, data_root, report=console.warning)
 
 
 def _check_job_id(job: str) -> None:
@@ -320,7 +328,9 @@ def _job_ref(job: str | None, endpoint: str | None) -> JobRef:
     if endpoint:
         return JobRef(job or (f"slurm-{slurm.job_id}" if slurm else "default"), endpoint)
     if slurm is not None and job is None:
-        return JobRef(f"slurm-{slurm.job_id}", default_endpoint(slurm))
+        from agent.etcd_cluster import layout_for
+
+        return JobRef(f"slurm-{slurm.job_id}", layout_for(slurm).endpoint)
     return find_job(runtime_dir(os.environ), job)
 
 

@@ -4,7 +4,8 @@
   write the runtime file, start ``max_nodes + standby`` agent processes ``node-0`` … and wait for
   them. Ctrl-C or SIGTERM stops everything; agents, workers and etcd never outlive this process.
 - Node mode (an endpoint, or SLURM): run this node's agent in this process. Under SLURM with no
-  endpoint, the allocation's first node also hosts an embedded etcd for the job.
+  endpoint, the allocation's first three nodes host the job's embedded etcd cluster
+  (:mod:`agent.etcd_cluster`); the agents keep it whole while the job runs.
 
 In both, once the agents are done and before etcd stops, the job's events and outcome are copied
 to its history file ``<log root>/<job>/events.jsonl`` (:mod:`agent.history`) for ``tmrun events``.
@@ -25,7 +26,7 @@ from typing import Callable
 
 from agent.config import AgentConfig
 from agent.errors import StoreError
-from agent.etcd_member import keep_alive
+from agent.etcd_member import MemberHost, keep_alive
 from agent.etcd_server import EmbeddedEtcd
 from agent.history import save_history
 from agent.keys import JobKeys
@@ -150,37 +151,28 @@ def _exit_code(job: str, outcome: Outcome | None, sig: int, codes: list[int],
     return EXIT_FAILED
 
 
-def run_node(cfg: AgentConfig, etcd: EmbeddedEtcd | None, report: Callable[[str], None],
+def run_node(cfg: AgentConfig, hosting: MemberHost | None, report: Callable[[str], None],
              log_root: Path | None = None) -> int:
-    """Run this node's agent in-process (multi-node jobs); host etcd when given one."""
+    """Run this node's agent in-process (multi-node jobs), and its etcd member when it hosts one."""
     try:
-        code = asyncio.run(run_agent(cfg))
+        code = asyncio.run(run_agent(cfg, hosting))
         _save_history(cfg, log_root, report)
-        if etcd is not None:
-            asyncio.run(_wait_for_others(cfg))
+        if hosting is not None:
+            asyncio.run(_release(cfg, hosting))
         return code
     finally:
-        if etcd is not None:
-            etcd.stop()
+        if hosting is not None:
+            hosting.close()
 
 
-async def _wait_for_others(cfg: AgentConfig, limit: float = 30.0) -> None:
-    """The etcd host stays up until every other agent has left (bounded), so they see the end."""
-    from agent.changes import Changes
-
-    store = make_store(cfg)
-    keys = JobKeys(cfg.job_id)
+async def _release(cfg: AgentConfig, hosting: MemberHost) -> None:
+    """Keep this node's etcd member while the others still need it (bounded)."""
+    store = make_store(dataclasses.replace(cfg, timeouts=dataclasses.replace(cfg.timeouts, store_retry=2.0)))
     try:
-        entries, revision = await store.get_prefix(keys.nodes)
-        changes = Changes(store, keys.nodes)
-        await changes.start(revision + 1)
-        deadline = time.monotonic() + limit
-        while entries and time.monotonic() < deadline:
-            seen = changes.version
-            await changes.wait(seen, deadline - time.monotonic())
-            entries, _ = await store.get_prefix(keys.nodes)
-        await changes.close()
-    except StoreError:
-        pass
+        try:
+            ended = await store.get(JobKeys(cfg.job_id).outcome) is not None
+        except StoreError:
+            ended = True
+        await hosting.release(store, JobKeys(cfg.job_id), ended)
     finally:
         await store.close()

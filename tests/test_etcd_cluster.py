@@ -1,0 +1,95 @@
+"""Table tests of the embedded etcd cluster's layout and the keeper's decision (agent/etcd_cluster.py),
+and of how a node finds its own address (agent/address.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent.address import node_address
+from agent.errors import ConfigError
+from agent.etcd_cluster import MemberView, Repair, host_of, layout_for, next_repair
+from agent.slurm import SlurmAllocation
+
+HOSTS = ("node1", "node2", "node3", "node4", "node5")
+
+
+def alloc(n: int) -> SlurmAllocation:
+    return SlurmAllocation("812345", n, 0, HOSTS[:n], "node1")
+
+
+def test_layout_three_members_on_the_first_hosts_and_every_host_an_endpoint():
+    layout = layout_for(alloc(4))
+    assert layout.initial_hosts == ("node1", "node2", "node3")
+    assert (layout.client_port, layout.peer_port) == (22345, 32345)
+    assert layout.initial_cluster() == {f"tmrun-node{i}": f"http://node{i}:32345" for i in (1, 2, 3)}
+    assert layout.endpoint == "node1:22345,node2:22345,node3:22345,node4:22345"
+
+
+@pytest.mark.parametrize("nodes, size", [(1, 1), (2, 1), (3, 3), (5, 3)])
+def test_layout_size(nodes, size):
+    # two members would need both for a quorum: worse than one
+    assert layout_for(alloc(nodes)).size == size
+
+
+def m(id: int, node: str, started: bool = True) -> MemberView:
+    return MemberView(id, node, started)
+
+
+THREE = [m(1, "node1"), m(2, "node2"), m(3, "node3")]
+ALL = {"node1", "node2", "node3", "node4"}
+
+REPAIRS = [
+    ("whole", THREE, ALL, set(), set(), Repair("none", "every member's node is in the job")),
+    ("node left: remove first", THREE, ALL - {"node1"}, set(), set(),
+     Repair("remove", "node1 left the job (its agent is gone)", 1, "node1")),
+    ("drained: remove", THREE, ALL, {"node2"}, set(), Repair("remove", "node2 was drained from the job", 2, "node2")),
+    ("two left: add on the first free live node", THREE[1:], ALL - {"node1"}, set(), set(),
+     Repair("add", "2 of 3 members: a new one on node4", node="node4")),
+    ("no free node", THREE[1:], {"node2", "node3"}, set(), set(),
+     Repair("none", "2 of 3 members and no node left to host another")),
+    ("a drained node is not a candidate", THREE[1:], ALL, {"node1", "node4"}, set(),
+     Repair("none", "2 of 3 members and no node left to host another")),
+    ("added but never started: removed, not tried again", [*THREE[1:], m(4, "node4", started=False)], ALL - {"node1"},
+     set(), {"node4"}, Repair("remove", "the member added on node4 did not start in time", 4, "node4")),
+    ("a stale node is skipped", THREE[1:], ALL - {"node1"} | {"node5"}, set(), {"node4"},
+     Repair("add", "2 of 3 members: a new one on node5", node="node5")),
+    ("added and starting: wait", [*THREE[1:], m(4, "node4", started=False)], ALL, set(), set(),
+     Repair("none", "every member's node is in the job")),
+]
+
+
+@pytest.mark.parametrize("members, live, leaving, stale, expected", [r[1:] for r in REPAIRS], ids=[r[0] for r in REPAIRS])
+def test_next_repair(members, live, leaving, stale, expected):
+    assert next_repair(members, live, leaving, HOSTS, stale) == expected
+
+
+def test_host_of_peer_url():
+    assert host_of(["http://node4:32345"]) == "node4"
+    assert host_of([]) == ""
+
+
+def resolver(table):
+    return lambda host: table.get(host, [])
+
+
+ADDRESSES = [
+    ("own name", "node1", {"node1": ["10.77.0.11"]}, None, "10.77.0.11"),
+    ("debian 127.0.1.1: route to a peer", "node1", {"node1": ["127.0.1.1"], "node2": ["10.77.0.12"]}, None,
+     "10.77.0.11"),
+    ("override ip", "node1", {"node1": ["10.77.0.11"]}, "192.0.2.7", "192.0.2.7"),
+    ("override name", "node1", {"node1": ["10.77.0.11"], "ib-node1": ["10.1.0.11"]}, "ib-node1", "10.1.0.11"),
+    ("ip as host name", "127.0.0.2", {}, None, "127.0.0.2"),
+]
+
+
+@pytest.mark.parametrize("host, table, override, expected", [a[1:] for a in ADDRESSES], ids=[a[0] for a in ADDRESSES])
+def test_node_address(host, table, override, expected):
+    towards = {"10.77.0.12": "10.77.0.11"}.get
+    assert node_address(host, ["node1", "node2"], override, resolver=resolver(table), towards=towards) == expected
+
+
+def test_node_address_nothing_found_says_what_to_do():
+    with pytest.raises(ConfigError, match="pass --local-addr"):
+        node_address("node1", ["node1", "node2"], resolver=resolver({"node1": ["127.0.1.1"]}), towards=lambda _: None)
+    with pytest.raises(ConfigError, match="does not resolve"):
+        node_address("node1", [], "nowhere", resolver=resolver({}))
