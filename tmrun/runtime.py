@@ -198,6 +198,8 @@ class Run:
             self._report_progress(time.monotonic() - started)
             if self._switch:
                 self._switch_generation()
+            elif self._failover_due():
+                self._fail_over()
         self._finish_pending_switch()
 
     def _finish_pending_switch(self) -> None:
@@ -317,6 +319,27 @@ class Run:
         assert pending is not None
         group = pending.wait(self.group_timeout)
         self._adopt(pending.spec, group, started, started)
+
+    def _failover_due(self) -> bool:
+        """A failure's generation (``now``) is built while the old group still works.
+
+        That happens when the node declared lost is alive and cut off from etcd only: it may still
+        answer the old group's collectives. The survivors leave the old group at this step
+        boundary; the lost node's next collective fails (its peers aborted the old group), so it
+        can never commit a step again (see "Fencing" in docs/design.md).
+        """
+        pending = self._next
+        return pending is not None and pending.spec.mode == "now" and pending.ready and not self._leave_gen
+
+    def _fail_over(self) -> None:
+        pending = self._next
+        assert pending is not None and pending.group is not None
+        started = time.monotonic()
+        try:
+            self._adopt(pending.spec, pending.group, started, started)
+        except RuntimeError:  # a peer of the new group failed too: the next step or prepare sorts it out
+            if self._next is pending:
+                self._next = None
 
     def _recover(self) -> None:
         """The group broke: tell the agent, wait for the next generation, rebuild, re-sync state."""
