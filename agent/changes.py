@@ -27,6 +27,7 @@ class Changes:
         self._max_wait = max_wait
         self.version = 0
         self.connected = True  # False while the watch is being re-established
+        self.reconnects = 0  # how many times the watch came back after etcd was away
 
     async def start(self, start_revision: int) -> None:
         self._revision = start_revision
@@ -50,6 +51,7 @@ class Changes:
             self._bump()
             watch = await self._rewatch()
             self.connected = True
+            self.reconnects += 1
             self._bump()  # events may have been missed: make everyone look again
 
     async def _rewatch(self):

@@ -76,6 +76,9 @@ async def keep_alive(server: EmbeddedEtcd, report: Callable[[str], None] = log.w
         if server.stopped:
             return
         code = server.returncode
+        if code == 0:  # etcd stops cleanly only when asked to, or when it was removed from its cluster
+            report(f"etcd member {server.name} stopped: {server.last_error() or 'exit code 0'}")
+            return
         failures.append(clock())
         while failures and clock() - failures[0] > 60.0:
             failures.popleft()
@@ -83,14 +86,15 @@ async def keep_alive(server: EmbeddedEtcd, report: Callable[[str], None] = log.w
             report(f"etcd member {server.name} exited {len(failures)} times within a minute "
                    f"(last: {server.last_error() or f'exit code {code}'}); not restarting it")
             return
-        report(f"etcd member {server.name} exited with code {code}: restarting it from {server.data_dir}")
+        report(f"etcd member {server.name} (pid {server.pid}) exited with code {code}: restarting it from "
+               f"{server.data_dir}")
         try:
             server.pin_ports()
             await start(server)
         except StoreError as exc:
             report(f"etcd member {server.name} did not come back: {exc}")
             continue
-        report(f"etcd member {server.name} is back at {server.endpoint}")
+        report(f"etcd member {server.name} is back at {server.endpoint} (pid {server.pid})")
 
 
 class MemberHost:
@@ -105,7 +109,8 @@ class MemberHost:
     """
 
     def __init__(self, layout: Layout, node: str, address: str, data_root: Path,
-                 report: Callable[[str], None] = log.warning, wall: Callable[[], float] = time.time) -> None:
+                 report: Callable[[str], None] = log.warning, wall: Callable[[], float] = time.time,
+                 grace: float = 10.0) -> None:
         self.layout = layout
         self.node = node
         self.address = address
@@ -116,6 +121,8 @@ class MemberHost:
         self._alive: asyncio.Task | None = None
         self._assignment_at: float | None = None
         self._stale: set[str] = set()
+        self._missing_since: dict[str, float] = {}  # node -> when the keeper first saw it unregistered
+        self.grace = grace
 
     def _server(self, cluster: dict[str, str], state: str) -> EmbeddedEtcd:
         shutil.rmtree(self.data_dir, ignore_errors=True)  # a fresh member: no state of another run
@@ -148,6 +155,8 @@ class MemberHost:
                         await self._keep(store, keys)
                 except StoreError as exc:  # unreachable or no quorum: the next change or tick tries again
                     log.debug("etcd cluster check failed: %s", exc)
+                except Exception:  # a bug here must not cost the job its training: say it, go on
+                    log.exception("%s: the etcd cluster check failed", self.node)
                 await changes.wait(seen, KEEPER_TICK)
         finally:
             if self._alive is not None:
@@ -181,7 +190,8 @@ class MemberHost:
         if keys.plan not in entries or keys.outcome in entries:
             return  # before the first generation nodes are still arriving; after the end, nothing to keep
         plan = Plan.from_dict(entries[keys.plan].value)
-        live = {keys.relative(k)[len("nodes/"):] for k in entries if keys.relative(k).startswith("nodes/")}
+        registered = {keys.relative(k)[len("nodes/"):] for k in entries if keys.relative(k).startswith("nodes/")}
+        live = self._live(registered)
         leaving = {node for node, why in plan.out.items() if why == "drained"}
         members = await store.members()
         views = [MemberView(m.id, host_of(m.peer_urls), bool(m.name)) for m in members]
@@ -207,6 +217,20 @@ class MemberHost:
         record = EventRecord(now, "etcd", f"etcd member {repair.action}: {repair.reason}", plan.gen,
                              {"node": repair.node, "members": len(members) + (1 if repair.action == "add" else -1)})
         await store.put(keys.event(time.time_ns()), record.to_dict())
+
+    def _live(self, registered: set[str]) -> set[str]:
+        """Nodes to count as in the job: registered, or missing for less than ``grace`` seconds.
+
+        A key can vanish for a moment when etcd was away and the agent's lease expired meanwhile;
+        the agent then registers again. Only a node gone for longer has left.
+        """
+        now = time.monotonic()
+        for node in registered:
+            self._missing_since.pop(node, None)
+        for node in self.layout.hosts:
+            if node not in registered:
+                self._missing_since.setdefault(node, now)
+        return registered | {n for n, since in self._missing_since.items() if now - since < self.grace}
 
     async def release(self, store, keys, job_ended: bool, limit: float = 30.0) -> None:
         """Keep the member up while it is still needed, at most ``limit`` seconds.

@@ -2,7 +2,8 @@
 
 This is the only module that imports ``aetcd`` or ``grpc``; their errors end here::
 
-    aetcd ConnectionFailedError, ConnectionTimeoutError, WatchTimeoutError
+    aetcd ConnectionFailedError, ConnectionTimeoutError, WatchTimeoutError, and the answers of a
+    member that cannot serve for the moment ("raft: stopped", "leader changed", ...)
         retried (jittered exponential wait, bounded by a deadline and an attempt count),
         moving to the next endpoint each time; then StoreUnavailable
     aetcd RevisionCompactedError    StoreCompacted
@@ -26,15 +27,20 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import os
 import re
 import time
 from pathlib import Path
 from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
-import aetcd
-import grpc
+# gRPC's default DNS resolver (c-ares) asks the DNS servers and may never look in /etc/hosts, where
+# cluster host names often live; the system resolver does what every other program on the node does.
+os.environ.setdefault("GRPC_DNS_RESOLVER", "native")
+
+import aetcd  # noqa: E402
+import grpc  # noqa: E402
 import tenacity
-from aetcd import rpc
+from aetcd import rpc  # noqa: E402
 
 from agent.errors import ConfigError, LeaseNotFound, StoreCompacted, StoreError, StoreUnavailable
 from agent.store import Entry, Event, Store, Watch
@@ -46,6 +52,17 @@ SCHEMES = ("etcd", "http")
 CANCEL_TIMEOUT = 2.0  # seconds to wait for aetcd to enqueue a watch cancel request
 
 _RETRYABLE = (aetcd.ConnectionFailedError, aetcd.ConnectionTimeoutError, aetcd.WatchTimeoutError)
+
+# What an etcd member answers while it cannot serve for the moment (stopping, electing a leader,
+# overloaded, being removed): worth the next attempt, on the next endpoint.
+_TRANSIENT = ("raft: stopped", "leader changed", "request timed out", "no leader", "server stopped",
+              "too many requests", "not capable", "unhealthy cluster", "member has been permanently removed")
+
+
+def _client_error(exc: grpc.aio.AioRpcError) -> aetcd.ClientError:
+    if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return aetcd.ConnectionFailedError(exc.details())
+    return aetcd.ClientError(exc.details())
 
 # Keepalive pings so that a watch on a silently dead server fails instead of hanging. etcd's
 # default enforcement allows one ping per 5 s.
@@ -228,7 +245,14 @@ class EtcdStore(Store):
             raise StoreError(f"store for {self.endpoint} is closed")
         index = self._current
         try:
-            return await fn(self._client(index))
+            try:
+                return await fn(self._client(index))
+            except grpc.aio.AioRpcError as exc:  # aetcd's async generators (member list) let these through
+                raise _client_error(exc) from exc
+            except aetcd.ClientError as exc:
+                if not isinstance(exc, _RETRYABLE) and any(text in str(exc) for text in _TRANSIENT):
+                    raise aetcd.ConnectionFailedError(str(exc)) from exc
+                raise
         except _RETRYABLE:
             if self._current == index:  # the first to see this endpoint fail moves everyone on
                 self._current = (index + 1) % len(self._endpoints)

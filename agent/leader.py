@@ -108,6 +108,8 @@ class Leader:
 
     async def _lead(self) -> None:
         rendezvous_since = self._clock()
+        settle = 2.0 * self._cfg.timeouts.lease_ttl  # agents whose lease expired meanwhile register again
+        settled_at, reconnects = rendezvous_since + settle, self._changes.reconnects
         quorum_since: float | None = None
         failure_since: tuple[int, float] | None = None
         last_reason = ""
@@ -121,6 +123,8 @@ class Leader:
             cluster, plan_entry = read_cluster(self._keys, entries)
             await self._report_swap(cluster)
             now = self._clock()
+            if self._changes.reconnects != reconnects:  # etcd was away: keys may be missing for a moment
+                settled_at, reconnects = now + settle, self._changes.reconnects
             if quorum_reached(cluster, self._limits):
                 quorum_since = now if quorum_since is None else quorum_since
             else:
@@ -131,7 +135,7 @@ class Leader:
                     failure_since = (gen, now)
             else:
                 failure_since = None
-            clock = Clock(now, rendezvous_since, quorum_since, failure_since[1] if failure_since else None)
+            clock = Clock(now, rendezvous_since, quorum_since, failure_since[1] if failure_since else None, settled_at)
             decision = decide(cluster, self._limits, clock)
             if decision.reason != last_reason:
                 log.info("decision %s: %s", decision.action.value, decision.reason)

@@ -84,6 +84,9 @@ class Clock:
     rendezvous_since: float = 0.0
     quorum_since: float | None = None
     failure_since: float | None = None
+    # Until then a member's missing key may be an agent registering again after etcd was away
+    # (the leader just took over, or its own view of etcd just came back): not yet "lost".
+    settled_at: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,6 +208,9 @@ def _on_failure(cluster: Cluster, plan: Plan, limits: Limits, clock: Clock) -> D
     if not lost and not failed:
         return None
     killed = [m for m in failed if (_run(cluster, m).exitcode or 0) < 0]
+    if lost and not failed and clock.now < clock.settled_at:
+        return Decision(Action.WAIT, f"generation {plan.gen}: no key for {', '.join(lost)}; etcd was away, "
+                        "waiting for its agent to register again", until=clock.settled_at)
     if lost or killed:
         culprits = lost + killed
     else:

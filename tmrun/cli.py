@@ -237,7 +237,7 @@ def _launch_node(rdzv_id: str, endpoint: str, node_name: str | None, local_addr:
         host = node_address(slurm.this_host, peers=slurm.hosts, override=local_addr)
         hint = slurm.node_id >= common["max_nodes"]
         if not endpoint:
-            hosting = _etcd_member_host(slurm, job, name, host)
+            hosting = _etcd_member_host(slurm, job, name, host, common["timeouts"].lease_ttl)
             endpoint = hosting.layout.endpoint
     else:
         job = rdzv_id if rdzv_id != "none" else "default"
@@ -259,13 +259,13 @@ def _launch_node(rdzv_id: str, endpoint: str, node_name: str | None, local_addr:
     return run_node(cfg, hosting, console.info, _log_root(cfg.worker))
 
 
-def _etcd_member_host(slurm, job: str, name: str, address: str):
+def _etcd_member_host(slurm, job: str, name: str, address: str, lease_ttl: int):
     """This node's part in the job's embedded etcd cluster (agent/etcd_cluster.py)."""
     from agent.etcd_cluster import layout_for
     from agent.etcd_member import MemberHost
 
     data_root = Path(os.environ.get("TMPDIR") or tempfile.gettempdir()) / f"tmrun-{job}"
-    return MemberHost(layout_for(slurm), name, address, data_root, report=console.warning)
+    return MemberHost(layout_for(slurm), name, address, data_root, report=console.warning, grace=2.0 * lease_ttl + 2)
 
 
 def _check_job_id(job: str) -> None:
