@@ -8,7 +8,7 @@ three comes back as itself. A member that keeps failing to start (for example be
 removed from its cluster) is given up after a few tries, with one line saying why::
 
     ┌──────────► wait for the process to exit (pidfd: no polling, no thread)
-    │                      │ exited, and nobody asked it to stop
+    │                      │ killed or crashed (exit 0, SIGTERM, SIGINT, SIGHUP: asked to stop)
     │                      ▼
     └──── healthy ◄── spawn again from the data directory ── fails 3× within a minute ─► give up
 
@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import os
 import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Callable
@@ -38,6 +40,9 @@ log = logging.getLogger("tmrun.etcd")
 
 RESTARTS_PER_MINUTE = 3
 READY_TIMEOUT = 60.0
+# Exits that mean "stop": a clean exit (etcd does that when asked, or when it was removed from its
+# cluster) and the polite signals (SLURM ends a step with SIGTERM). Anything else is restarted.
+STOPPED = (0, -signal.SIGTERM, -signal.SIGINT, -signal.SIGHUP)
 KEEPER_TICK = 2.0  # seconds between looks at the member list when no key changes
 
 
@@ -76,8 +81,9 @@ async def keep_alive(server: EmbeddedEtcd, report: Callable[[str], None] = log.w
         if server.stopped:
             return
         code = server.returncode
-        if code == 0:  # etcd stops cleanly only when asked to, or when it was removed from its cluster
-            report(f"etcd member {server.name} stopped: {server.last_error() or 'exit code 0'}")
+        if code in STOPPED:  # asked to stop (SLURM ends the step, someone stopped it), or removed
+            report(f"etcd member {server.name} stopped ({'exit code 0' if code == 0 else signal.Signals(-code).name}): "
+                   f"{server.last_error() or 'not restarting it'}")
             return
         failures.append(clock())
         while failures and clock() - failures[0] > 60.0:
@@ -266,3 +272,5 @@ class MemberHost:
         if self.server is not None:
             self.server.stop()
         shutil.rmtree(self.data_dir, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            self.data_dir.parent.rmdir()  # the job's directory, once the last member on this file system is gone

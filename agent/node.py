@@ -56,6 +56,7 @@ log = logging.getLogger("tmrun.agent")
 
 EXIT_OK, EXIT_FAILED, EXIT_STORE = 0, 1, 3
 RETRY = 1.0  # seconds between attempts to reach etcd while it is unreachable
+REVOKE_TIMEOUT = 0.5  # seconds a leaving agent tries to revoke its lease (else it expires by itself)
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
@@ -123,10 +124,10 @@ class NodeAgent:
             await self._changes.close()
             await self._channel.close()
             shutil.rmtree(self._socket_dir, ignore_errors=True)
-            if self._lease:
+            if self._lease:  # the key goes at once rather than after the TTL; not worth a wait when etcd is away
                 try:
-                    await self._store.revoke_lease(self._lease)
-                except StoreError:
+                    await asyncio.wait_for(self._store.revoke_lease(self._lease), REVOKE_TIMEOUT)
+                except (StoreError, asyncio.TimeoutError):
                     pass
             await self._store.close()
             if self._own_log_root:

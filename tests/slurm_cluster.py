@@ -399,13 +399,14 @@ class SlurmCluster:
 
     def sbatch(self, script: str | None = None, *, wrap: str | None = None, nodes: int = 1,
                workdir: Path | None = None, env: dict[str, str] | None = None,
-               args: Sequence[str] = (), job_name: str | None = None) -> int:
-        """Submit a batch job (a script's text, or a ``wrap`` command line) on ``nodes`` nodes;
-        its output (stdout + stderr) goes to ``workdir/slurm-<id>.out`` (see :meth:`output`).
-        The job runs in ``workdir`` (a fresh one by default) with ``--export=ALL`` of
-        :meth:`job_env`. Returns the job id."""
-        if (script is None) == (wrap is None):
-            raise ValueError("give exactly one of script and wrap")
+               args: Sequence[str] = (), job_name: str | None = None, script_path: Path | None = None,
+               script_args: Sequence[str] = ()) -> int:
+        """Submit a batch job (a script's text, a script file with ``script_args``, or a ``wrap``
+        command line) on ``nodes`` nodes; its output (stdout + stderr) goes to
+        ``workdir/slurm-<id>.out`` (see :meth:`output`). The job runs in ``workdir`` (a fresh one
+        by default) with ``--export=ALL`` of :meth:`job_env`. Returns the job id."""
+        if sum(x is not None for x in (script, wrap, script_path)) != 1:
+            raise ValueError("give exactly one of script, script_path and wrap")
         workdir = Path(workdir) if workdir is not None else self.workdir()
         argv = ["sbatch", "--parsable", f"--nodes={nodes}", f"--chdir={workdir}",
                 f"--output={workdir}/slurm-%j.out", "--export=ALL"]
@@ -414,6 +415,8 @@ class SlurmCluster:
         argv += list(args)
         if wrap is not None:
             argv += ["--wrap", wrap]
+        elif script_path is not None:
+            argv += [str(script_path), *script_args]
         elif not script.startswith("#!"):
             script = "#!/bin/bash\n" + script
         proc = _run(argv, input=script, env=self.job_env(env))

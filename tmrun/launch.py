@@ -156,6 +156,8 @@ def run_node(cfg: AgentConfig, hosting: MemberHost | None, report: Callable[[str
     """Run this node's agent in-process (multi-node jobs), and its etcd member when it hosts one."""
     try:
         code = asyncio.run(run_agent(cfg, hosting))
+        if code >= 128:  # stopped by a signal (scancel: the whole job goes, etcd too, and soon SIGKILL)
+            return code
         _save_history(cfg, log_root, report)
         if hosting is not None:
             asyncio.run(_release(cfg, hosting))
