@@ -56,7 +56,8 @@ _RETRYABLE = (aetcd.ConnectionFailedError, aetcd.ConnectionTimeoutError, aetcd.W
 # What an etcd member answers while it cannot serve for the moment (stopping, electing a leader,
 # overloaded, being removed): worth the next attempt, on the next endpoint.
 _TRANSIENT = ("raft: stopped", "leader changed", "request timed out", "no leader", "server stopped",
-              "too many requests", "not capable", "unhealthy cluster", "member has been permanently removed")
+              "too many requests", "not capable", "unhealthy cluster", "member has been permanently removed",
+              "context deadline exceeded", "request cancelled", "timed out")
 
 
 def _client_error(exc: grpc.aio.AioRpcError) -> aetcd.ClientError:

@@ -18,7 +18,7 @@ from typing import Callable
 
 from agent.changes import Changes
 from agent.config import AgentConfig
-from agent.errors import LeaseNotFound, StoreUnavailable
+from agent.errors import StoreError
 from agent.keys import JobKeys
 from agent.policy import Action, Cluster, Clock, Decision, Limits, NodeView, decide, failure_pending, quorum_reached
 from agent.records import EventRecord, NodeRecord, Outcome, Plan, RecordError, Request
@@ -85,7 +85,7 @@ class Leader:
             try:
                 await self._campaign()
                 continue
-            except (StoreUnavailable, LeaseNotFound) as exc:
+            except StoreError as exc:  # unreachable, no quorum, a lease being replaced: nothing to lead now
                 self.is_leader = False
                 log.warning("%s: not leading while etcd is unavailable (%s)", self._cfg.node, exc)
                 await self._changes.wait(seen, RETRY)

@@ -42,7 +42,7 @@ from pathlib import Path
 from agent.changes import Changes
 from agent.config import AgentConfig
 from agent.etcd_member import MemberHost
-from agent.errors import ConfigError, ControlPlaneLost, LeaseNotFound, StoreError, StoreUnavailable
+from agent.errors import ConfigError, ControlPlaneLost, LeaseNotFound, StoreError
 from agent.keys import JobKeys
 from agent.leader import Leader
 from agent.output import OutputRouter
@@ -169,15 +169,15 @@ class NodeAgent:
                     log.warning("%s: etcd answers again after %.1f s; the workers kept running", self.cfg.node,
                                 time.monotonic() - self._outage_since)
                     self._outage_since = None
-            except StoreUnavailable as exc:
+            except LeaseNotFound:
+                await self._reregister()
+                continue
+            except StoreError as exc:  # etcd away or without a quorum: the workers go on, look again soon
                 if self._outage_since is None:
                     self._outage_since = time.monotonic()
                     log.warning("%s: %s; the workers keep running, retrying", self.cfg.node, exc)
                 self._resync = True
                 retry = RETRY
-            except LeaseNotFound:
-                await self._reregister()
-                continue
             waiters = [asyncio.ensure_future(self._changes.wait(seen)), asyncio.ensure_future(self._signal.wait()),
                        asyncio.ensure_future(self._dirty.wait())]
             if self._group_wait is not None:
@@ -194,7 +194,7 @@ class NodeAgent:
     async def _sync(self) -> int | None:
         """One look at etcd: report what changed here, then follow ``outcome`` and ``plan``.
 
-        Returns an exit code when this agent is done. Raises StoreUnavailable when etcd cannot be
+        Returns an exit code when this agent is done. Raises StoreError when etcd cannot be
         reached; nothing here is lost then (the node's state stays in ``self._run`` and is
         reported on the next successful look).
         """
@@ -409,7 +409,7 @@ class NodeAgent:
         self._run = run
         try:
             await self._store.put(self._keys.node(self.cfg.node), self._record().to_dict(), lease=self._lease)
-        except StoreUnavailable:
+        except StoreError:
             self._resync = True  # kept in self._run: reported on the next successful look
             raise
 
@@ -449,7 +449,7 @@ class NodeAgent:
             try:
                 if await self._store.refresh_lease(self._lease) <= 0:
                     await self._reregister()
-            except (StoreUnavailable, LeaseNotFound) as exc:
+            except StoreError as exc:  # unreachable, no quorum, or an answer that is no answer
                 away = time.monotonic() - last_ok
                 if bound and away > bound:
                     raise ControlPlaneLost(f"etcd at {self._store.endpoint} unreachable for {away:.0f} s "
