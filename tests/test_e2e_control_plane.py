@@ -52,7 +52,7 @@ def test_local_etcd_killed_mid_run_is_restarted_and_training_never_stops(jobs, t
 
     first = _etcd_pid(job)
     os.kill(first, signal.SIGKILL)
-    job.err.wait_for(r"etcd member \S+ exited with code -9: restarting it", 30)
+    job.err.wait_for(r"etcd member \S+ \(pid \d+\) exited with code -9: restarting it", 30)
     job.err.wait_for(r"etcd member \S+ is back at", 30)
     assert _etcd_pid(job) != first
     doc = wait_status(ref, lambda d: d["state"] == "running", 30)  # the same job, keys and leases kept

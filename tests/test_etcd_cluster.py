@@ -93,3 +93,13 @@ def test_node_address_nothing_found_says_what_to_do():
         node_address("node1", ["node1", "node2"], resolver=resolver({"node1": ["127.0.1.1"]}), towards=lambda _: None)
     with pytest.raises(ConfigError, match="does not resolve"):
         node_address("node1", [], "nowhere", resolver=resolver({}))
+
+
+def test_docs_show_the_slurm_examples_as_they_are_tested():
+    """docs/slurm.md shows examples/slurm/*, which tests/test_e2e_slurm.py runs as written."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    doc = (root / "docs" / "slurm.md").read_text()
+    for name in ("train.sbatch", "health-check.sh"):
+        assert f"```bash\n{(root / 'examples' / 'slurm' / name).read_text()}```" in doc, name
