@@ -156,15 +156,33 @@ def members(slurm: SlurmCluster, job_id: int) -> list[tuple[str, bool]]:
 # ----------------------------------------------------------------------------- the workers
 
 
+def start_gpt(slurm: SlurmCluster, prefix: str) -> tuple[Path, int, JobRef, dict]:
+    """train.sbatch submitted, training warm (a standby shadow-trains, 20 steps done): the status."""
+    workdir = slurm.workdir(prefix)
+    job_id = submit_gpt(slurm, workdir)
+    ref, _ = wait_hot(slurm, job_id)
+    wait_for(lambda: len(steps_logged(workdir / "steps.jsonl")) >= 20, 120, "20 steps")
+    return workdir, job_id, ref, wait_status(ref, lambda d: True, 10)
+
+
+def check_gpt_job(slurm: SlurmCluster, job_id: int, workdir: Path, reference: Path, before: dict[str, list[int]],
+                  after: dict, replaced: str) -> None:
+    """The other nodes kept their workers through the swap; the job completed with the weights of
+    an uninterrupted run, every step committed once."""
+    for node, pids in before.items():
+        if node != replaced:
+            assert workers(after)[node] == pids, f"{node}'s workers were restarted"
+    assert slurm.wait_job(job_id, 300) == "COMPLETED", slurm.output(job_id)[-4000:]
+    assert_same_weights(workdir / "final.pt", reference)
+    assert sorted(steps_logged(workdir / "steps.jsonl")) == list(range(1, GPT_STEPS + 1))
+    assert "started generation 2" not in slurm.output(job_id)  # nobody restarted: the swap was hot
+
+
 @pytest.mark.timeout(420)
 def test_kill_9_of_a_worker_swaps_in_the_standby(slurm, gpt_reference):
-    workdir = slurm.workdir("gpt-kill-")
-    job_id = submit_gpt(slurm, workdir)
-    ref, ready = wait_hot(slurm, job_id)
-    wait_for(lambda: len(steps_logged(workdir / "steps.jsonl")) >= 20, 120, "20 steps")
-    doc = wait_status(ref, lambda d: True, 10)
+    workdir, job_id, ref, doc = start_gpt(slurm, "gpt-kill-")
     victim = next(n for n in doc["nodes"] if n["ranks"] == [1])
-    standby = next(n["node"] for n in ready["nodes"] if n["role"] == "standby")
+    standby = next(n["node"] for n in doc["nodes"] if n["role"] == "standby")
     before = workers(doc)
     os.kill(victim["worker_pids"][0], signal.SIGKILL)
 
@@ -172,38 +190,21 @@ def test_kill_9_of_a_worker_swaps_in_the_standby(slurm, gpt_reference):
                         and all(n["state"] == "running" for n in d["nodes"] if n["role"] == "active"), 120)
     assert {n["node"] for n in after["nodes"] if n["role"] == "active"} == set(before) - {victim["node"]} | {standby}
     assert after["mode"] == "swap-now" and after["restarts"] == 1, after
-    for node, pids in before.items():
-        if node != victim["node"]:
-            assert workers(after)[node] == pids, f"{node}'s workers were restarted"
-    assert slurm.wait_job(job_id, 300) == "COMPLETED", slurm.output(job_id)[-4000:]
-    assert_same_weights(workdir / "final.pt", gpt_reference)
-    assert sorted(steps_logged(workdir / "steps.jsonl")) == list(range(1, GPT_STEPS + 1))
-    assert "started generation 2" not in slurm.output(job_id)  # nobody restarted: the swap was hot
+    check_gpt_job(slurm, job_id, workdir, gpt_reference, before, after, victim["node"])
 
 
 @pytest.mark.timeout(420)
 def test_slurm_drain_and_the_health_check_swap_the_node_out(slurm, gpt_reference):
-    workdir = slurm.workdir("gpt-drain-")
-    job_id = submit_gpt(slurm, workdir)
-    ref, _ = wait_hot(slurm, job_id)
-    wait_for(lambda: len(steps_logged(workdir / "steps.jsonl")) >= 20, 120, "20 steps")
-    doc = wait_status(ref, lambda d: True, 10)
+    workdir, job_id, ref, doc = start_gpt(slurm, "gpt-drain-")
     victim = next(n["node"] for n in doc["nodes"] if n["ranks"] == [2])
-    before = workers(doc)
-
     slurm.drain(victim, "gpu check failed")  # what an administrator or a site check does
     after = wait_status(ref, lambda d: d["generation"] >= 2 and any(n["node"] == victim and n["role"] == "drained"
                                                                      for n in d["nodes"]), 120)
     assert after["mode"] == "swap-agreed" and after["restarts"] == 0, after
-    for node, pids in before.items():
-        if node != victim:
-            assert workers(after)[node] == pids, f"{node}'s workers were restarted"
     output = wait_for(lambda: (o := slurm.output(job_id)) if f"{victim}: unwell, draining" in o else None, 30,
                       "the health check's line")
     assert f"drain {victim}" in output
-    assert slurm.wait_job(job_id, 300) == "COMPLETED", slurm.output(job_id)[-4000:]
-    assert_same_weights(workdir / "final.pt", gpt_reference)
-    assert sorted(steps_logged(workdir / "steps.jsonl")) == list(range(1, GPT_STEPS + 1))
+    check_gpt_job(slurm, job_id, workdir, gpt_reference, workers(doc), after, victim)
 
 
 @pytest.mark.timeout(240)

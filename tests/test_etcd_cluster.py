@@ -103,3 +103,17 @@ def test_docs_show_the_slurm_examples_as_they_are_tested():
     doc = (root / "docs" / "slurm.md").read_text()
     for name in ("train.sbatch", "health-check.sh"):
         assert f"```bash\n{(root / 'examples' / 'slurm' / name).read_text()}```" in doc, name
+
+
+@pytest.mark.timeout(60)
+def test_etcd_start_error_is_one_line_with_what_etcd_said(tmp_path):
+    """etcd refuses a host name as a listen address; the user reads etcd's own words, in one line."""
+    from agent.errors import StoreError
+    from agent.etcd_server import EmbeddedEtcd
+
+    server = EmbeddedEtcd(tmp_path / "etcd", host="node1.invalid", client_port=23790, peer_port=23791)
+    with pytest.raises(StoreError) as failed:
+        server.start(timeout=20)
+    text = str(failed.value)
+    assert "\n" not in text and "expected IP in URL for binding" in text, text
+    assert not server.running()
