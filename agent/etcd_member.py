@@ -254,7 +254,7 @@ class MemberHost:
                 try:
                     entries, _ = await store.get_prefix(keys.nodes)
                 except StoreError:
-                    return False
+                    return True  # cannot tell: someone may still need this member's vote
                 return bool(entries)
             await retrying(others)
         else:

@@ -56,6 +56,10 @@ log = logging.getLogger("tmrun.agent")
 
 EXIT_OK, EXIT_FAILED, EXIT_STORE = 0, 1, 3
 RETRY = 1.0  # seconds between attempts to reach etcd while it is unreachable
+# Even without a change from the watch, look again this often: a watch whose stream went quiet
+# without an error (a member stopped and resumed, removed, partitioned) must not leave the agent
+# waiting for an outcome it would never hear of.
+LOOK_AGAIN = 5.0
 REVOKE_TIMEOUT = 0.5  # seconds a leaving agent tries to revoke its lease (else it expires by itself)
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
@@ -88,6 +92,7 @@ class NodeAgent:
         self._resync = False  # the node's state could not be reported: report it on the next look
         self._outage_since: float | None = None  # when etcd stopped answering (monotonic)
         self._leader: Leader | None = None
+        self._registering = asyncio.Lock()  # one registration at a time (keepalive and follower)
         own_logs = cfg.worker.log_dir is None
         self._log_root = Path(tempfile.mkdtemp(prefix=f"tmrun-{cfg.node}-")) if own_logs else Path(cfg.worker.log_dir)
         self._own_log_root = own_logs
@@ -160,7 +165,8 @@ class NodeAgent:
             if self._signal.is_set():
                 log.info("%s: %s received, stopping", self.cfg.node, signal.Signals(self._signum).name)
                 return 128 + self._signum
-            retry = None
+            retry = LOOK_AGAIN
+            lease = self._lease
             try:
                 code = await self._sync()
                 if code is not None:
@@ -170,7 +176,7 @@ class NodeAgent:
                                 time.monotonic() - self._outage_since)
                     self._outage_since = None
             except LeaseNotFound:
-                await self._reregister()
+                await self._reregister(lease)
                 continue
             except StoreError as exc:  # etcd away or without a quorum: the workers go on, look again soon
                 if self._outage_since is None:
@@ -214,13 +220,19 @@ class NodeAgent:
             return EXIT_OK
         return None
 
-    async def _reregister(self) -> None:
-        """etcd answered that this agent's lease is gone: take a new one and publish the node again.
+    async def _reregister(self, expired: int) -> None:
+        """etcd answered that lease ``expired`` is gone: take a new one and publish the node again.
 
         Whatever happened meanwhile is in the plan, which the agent reads next: still a member,
-        nothing changes; replaced, it stops its workers (``_reconcile``).
+        nothing changes; replaced, it stops its workers (``_reconcile``). The keepalive and the
+        follower may both find out; the second one finds the lease already replaced.
         """
-        old = self._lease
+        async with self._registering:
+            if self._lease != expired:
+                return
+            await self._register_again(expired)
+
+    async def _register_again(self, old: int) -> None:
         self._lease = await self._store.grant_lease(self.cfg.timeouts.lease_ttl)
         if self._leader is not None:
             self._leader.lease = self._lease
@@ -446,9 +458,10 @@ class NodeAgent:
         last_ok = time.monotonic()
         while True:
             await asyncio.sleep(ttl / 3)
+            lease = self._lease
             try:
-                if await self._store.refresh_lease(self._lease) <= 0:
-                    await self._reregister()
+                if await self._store.refresh_lease(lease) <= 0:
+                    await self._reregister(lease)
             except StoreError as exc:  # unreachable, no quorum, or an answer that is no answer
                 away = time.monotonic() - last_ok
                 if bound and away > bound:

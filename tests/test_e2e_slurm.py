@@ -77,9 +77,9 @@ def submit_gpt(slurm: SlurmCluster, workdir: Path) -> int:
                              "PYTHONUNBUFFERED": "1"})
 
 
-def submit_runtime_job(slurm: SlurmCluster, workdir: Path, conf: str = FAST) -> int:
+def submit_runtime_job(slurm: SlurmCluster, workdir: Path, steps: int = STEPS) -> int:
     script = (f"srun --ntasks-per-node=1 --no-kill --kill-on-bad-exit=0 tmrun --nnodes 3 --standby 1 "
-              f"--rdzv-conf {conf} {JOB} {workdir / 'final.pt'} --steps {STEPS} --step-time 0.1\n")
+              f"--rdzv-conf {FAST} {JOB} {workdir / 'final.pt'} --steps {steps} --step-time 0.1\n")
     return slurm.sbatch(script, nodes=4, workdir=workdir, args=["--no-kill"], env={"PYTHONUNBUFFERED": "1"})
 
 
@@ -119,13 +119,13 @@ def workers(doc: dict) -> dict[str, list[int]]:
 
 
 def check_runtime_job(slurm: SlurmCluster, job_id: int, workdir: Path, reference: Path,
-                      replaced: set[int] = frozenset()) -> None:
+                      replaced: set[int] = frozenset(), steps: int = STEPS) -> None:
     """The job completed with the weights of an uninterrupted run; each step once per rank; ranks
     other than ``replaced`` kept one process for the whole run."""
     assert slurm.wait_job(job_id, 300) == "COMPLETED", slurm.output(job_id)[-4000:]
     assert_same_weights(workdir / "final.pt", reference)
     rows = committed(slurm.output(job_id))
-    assert {r: sorted(s for s, _ in got) for r, got in rows.items()} == {r: list(range(STEPS)) for r in range(3)}
+    assert {r: sorted(s for s, _ in got) for r, got in rows.items()} == {r: list(range(steps)) for r in range(3)}
     for rank, got in rows.items():
         if rank not in replaced:
             assert len({pid for _, pid in got}) == 1, f"rank {rank} was restarted"
@@ -201,9 +201,8 @@ def test_slurm_drain_and_the_health_check_swap_the_node_out(slurm, gpt_reference
     after = wait_status(ref, lambda d: d["generation"] >= 2 and any(n["node"] == victim and n["role"] == "drained"
                                                                      for n in d["nodes"]), 120)
     assert after["mode"] == "swap-agreed" and after["restarts"] == 0, after
-    output = wait_for(lambda: (o := slurm.output(job_id)) if f"{victim}: unwell, draining" in o else None, 30,
-                      "the health check's line")
-    assert f"drain {victim}" in output
+    wait_for(lambda: f"{victim}: unwell, draining" in slurm.output(job_id), 30, "the health check's line")
+    assert f"drain {victim}" in slurm.output(job_id)
     check_gpt_job(slurm, job_id, workdir, gpt_reference, workers(doc), after, victim)
 
 
@@ -259,9 +258,11 @@ def test_etcd_member_losses_cost_no_step(slurm, runtime_reference):
 
 
 @pytest.mark.timeout(420)
-def test_no_quorum_for_60_s_training_goes_on(slurm, runtime_reference):
+def test_no_quorum_for_60_s_training_goes_on(slurm, tmp_path_factory):
+    steps = 1300  # 60 s without etcd, then a drain, well before the end
+    reference = _reference(tmp_path_factory, 3, steps)
     workdir = slurm.workdir("etcd-quorum-")
-    job_id = submit_runtime_job(slurm, workdir)
+    job_id = submit_runtime_job(slurm, workdir, steps)
     ref, _ = wait_hot(slurm, job_id)
     wait_steps(slurm, job_id, 30, 120)
     doc = wait_status(ref, lambda d: True, 10)
@@ -287,7 +288,7 @@ def test_no_quorum_for_60_s_training_goes_on(slurm, runtime_reference):
     drained = run_tmrun(["drain", victim, "--rdzv-endpoint", ref.endpoint, "--job", ref.job], cwd=workdir,
                         timeout=120)
     assert drained.returncode == 0 and "hot swap" in drained.stderr, drained.stderr
-    check_runtime_job(slurm, job_id, workdir, runtime_reference, replaced={1})
+    check_runtime_job(slurm, job_id, workdir, reference, replaced={1}, steps=steps)
 
 
 @pytest.mark.timeout(420)
