@@ -30,6 +30,7 @@ seconds, without a broken group reported meanwhile, and the workers are killed a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -176,7 +177,8 @@ class NodeAgent:
                                 time.monotonic() - self._outage_since)
                     self._outage_since = None
             except LeaseNotFound:
-                await self._reregister(lease)
+                with contextlib.suppress(StoreError):  # if etcd fails again, the next look finds out
+                    await self._reregister(lease)
                 continue
             except StoreError as exc:  # etcd away or without a quorum: the workers go on, look again soon
                 if self._outage_since is None:
