@@ -179,7 +179,7 @@ class NodeAgent:
             except LeaseNotFound:
                 with contextlib.suppress(StoreError):  # if etcd fails again, the next look finds out
                     await self._reregister(lease)
-                continue
+                retry = 0.0 if self._lease != lease else RETRY
             except StoreError as exc:  # etcd away or without a quorum: the workers go on, look again soon
                 if self._outage_since is None:
                     self._outage_since = time.monotonic()
