@@ -203,7 +203,9 @@ class TmrunJob:
             raise RuntimeError(f"tmrun status failed: {done.stderr.strip()}")
         return json.loads(done.stdout)
 
-    def wait_until(self, predicate, timeout: float, what: str) -> dict:
+    def wait_until(self, predicate, timeout: float, what: str, interval: float = 0.2) -> dict:
+        """Poll ``tmrun status`` every ``interval`` seconds (each poll is a Python process) until
+        ``predicate`` holds; the status then."""
         deadline = time.monotonic() + timeout
         last: dict | None = None
         while time.monotonic() < deadline:
@@ -215,13 +217,13 @@ class TmrunJob:
                 last = None
             if last is not None and predicate(last):
                 return last
-            time.sleep(0.2)
+            time.sleep(interval)
         raise TimeoutError(f"{what}: not within {timeout:g} s; last status {last}")
 
-    def wait_hot(self, standbys: int = 1, timeout: float = 300.0) -> dict:
+    def wait_hot(self, standbys: int = 1, timeout: float = 300.0, interval: float = 0.2) -> dict:
         """Until the plan is hot and ``standbys`` standbys shadow-train (warm)."""
         return self.wait_until(lambda d: d["hot_swap"] and sum(n["state"] == "shadow" for n in d["nodes"])
-                               >= standbys, timeout, "standbys warm")
+                               >= standbys, timeout, "standbys warm", interval)
 
     def node_of_rank(self, rank: int) -> dict:
         return next(n for n in self.status()["nodes"] if n["role"] == "active" and rank in n["ranks"])

@@ -193,19 +193,6 @@ def wait_stderr(job: common.TmrunJob, pattern: str, after: int, timeout: float) 
     return None
 
 
-def wait_hot(job: common.TmrunJob, timeout: float) -> None:
-    """Until the standby shadow-trains, one ``tmrun status`` a second (each is a Python process)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if job.proc.poll() is not None:
-            raise RuntimeError(f"the tmrun job ended (exit {job.proc.returncode}) before the standby was warm")
-        try:
-            doc = job.status()
-        except RuntimeError:
-            doc = None
-        if doc and doc["hot_swap"] and any(n["state"] == "shadow" for n in doc["nodes"]):
-            return
-        time.sleep(1.0)
     raise TimeoutError(f"the standby was not warm within {timeout:g} s")
 
 
@@ -225,7 +212,7 @@ def run(args, wd: Path, *, events: bool) -> dict:
     trace = CpuTrace(ProcSampler(common.GPT), interval=CPU_INTERVAL)  # CPU time per process, all run long
     trace.start()
     try:
-        wait_hot(job, args.timeout)
+        job.wait_hot(1, args.timeout, interval=1.0)
         out["t_hot"] = time.time()
         out["hot_at_step"] = max((r["step"] for r in common.read_log(job.step_log)[0]), default=0)
         if events:

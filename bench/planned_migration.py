@@ -125,22 +125,6 @@ def done_sha(text: str) -> str | None:
 
 # ---------------------------------------------------------------------------- the runs
 
-def wait_hot(job: common.TmrunJob, timeout: float) -> dict:
-    """``job.wait_hot(1)``, polling once a second (each poll is a Python process): the status then."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if job.proc.poll() is not None:
-            raise RuntimeError(f"the tmrun job ended (exit {job.proc.returncode}) before the standby was warm")
-        try:
-            doc = job.status()
-        except RuntimeError:
-            doc = None
-        if doc and doc["hot_swap"] and any(n["state"] == "shadow" for n in doc["nodes"]):
-            return doc
-        time.sleep(1.0)
-    raise TimeoutError(f"the standby was not warm within {timeout:g} s")
-
-
 def wait_for_gen(job: common.TmrunJob, gen: int, steps: int, timeout: float) -> None:
     """Until the step log shows ``steps`` committed steps of generation ``gen`` or later (or the job ended)."""
     deadline = time.monotonic() + timeout
@@ -155,7 +139,7 @@ def run_tmrun(size: str, steps: int, at: int, timeout: float) -> dict:
     job = common.TmrunJob(wd, ["--params", size, "--steps", str(steps), "--threads", "1"],
                           nnodes=2, standby=1, name="planned")
     try:
-        hot = wait_hot(job, timeout)
+        hot = job.wait_hot(1, timeout, interval=1.0)
         t_hot = time.time()
         hot_step = max((r["step"] for r in common.read_log(job.step_log)[0]), default=0)
         if hot_step + 10 > at:

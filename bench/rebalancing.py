@@ -52,7 +52,7 @@ import time
 
 import common
 from competitors import torchrun_job as tj
-from planned_migration import lost_over, wait_hot
+from planned_migration import lost_over
 
 NAME = "rebalancing"
 STEPS = 10_000_000  # beyond any window: the job is stopped when the window ends
@@ -73,7 +73,7 @@ def run_tmrun(size: str, period: float, rounds: int, warmup: int, drains: bool, 
                           nnodes=2, standby=1, name="rebalancing")
     events, swaps = [], []
     try:
-        wait_hot(job, timeout)
+        job.wait_hot(1, timeout, interval=1.0)
         common.wait_for_step(job.step_log, last_step(job.step_log) + warmup, timeout, [job.proc])
         start = time.time()
         for k in range(rounds if drains else 0):
