@@ -107,6 +107,15 @@ def wait_steps(slurm: SlurmCluster, job_id: int, step: int, timeout: float) -> N
     wait_for(lambda: last_step(slurm.output(job_id)) >= step, timeout, f"step {step} committed")
 
 
+def start_runtime_job(slurm: SlurmCluster, prefix: str, steps: int = STEPS) -> tuple[Path, int, JobRef, dict]:
+    """runtime_job.py submitted, training warm (a standby shadow-trains, 30 steps done): the status."""
+    workdir = slurm.workdir(prefix)
+    job_id = submit_runtime_job(slurm, workdir, steps)
+    ref, _ = wait_hot(slurm, job_id)
+    wait_steps(slurm, job_id, 30, 120)
+    return workdir, job_id, ref, wait_status(ref, lambda d: True, 10)
+
+
 def wait_hot(slurm: SlurmCluster, job_id: int) -> tuple[JobRef, dict]:
     """Once the job's etcd serves (a leader was elected), until a standby shadow-trains."""
     wait_for(lambda: f"leads job slurm-{job_id}" in slurm.output(job_id), 150, "the job's leader")
@@ -222,11 +231,8 @@ def test_scancel_stops_every_process_on_every_node(slurm):
 
 @pytest.mark.timeout(420)
 def test_etcd_member_losses_cost_no_step(slurm, runtime_reference):
-    workdir = slurm.workdir("etcd-loss-")
-    job_id = submit_runtime_job(slurm, workdir)
-    ref, _ = wait_hot(slurm, job_id)
-    wait_steps(slurm, job_id, 30, 120)
-    ranks = ranks_of(wait_status(ref, lambda d: True, 10))
+    workdir, job_id, ref, doc = start_runtime_job(slurm, "etcd-loss-")
+    ranks = ranks_of(doc)
 
     # 1. node 0's member is SIGKILLed: its agent starts it again from its data directory
     first = etcd_pid(slurm, "node1")
@@ -264,11 +270,7 @@ def test_etcd_member_losses_cost_no_step(slurm, runtime_reference):
 def test_no_quorum_for_60_s_training_goes_on(slurm, tmp_path_factory):
     steps = 1300  # 60 s without etcd, then a drain, well before the end
     reference = _reference(tmp_path_factory, 3, steps)
-    workdir = slurm.workdir("etcd-quorum-")
-    job_id = submit_runtime_job(slurm, workdir, steps)
-    ref, _ = wait_hot(slurm, job_id)
-    wait_steps(slurm, job_id, 30, 120)
-    doc = wait_status(ref, lambda d: True, 10)
+    workdir, job_id, ref, doc = start_runtime_job(slurm, "etcd-quorum-", steps)
     ranks = ranks_of(doc)
 
     stopped = [etcd_pid(slurm, "node1"), etcd_pid(slurm, "node2")]  # two of three: no quorum
@@ -296,11 +298,7 @@ def test_no_quorum_for_60_s_training_goes_on(slurm, tmp_path_factory):
 
 @pytest.mark.timeout(420)
 def test_a_node_cut_off_from_etcd_is_fenced_out(slurm, runtime_reference):
-    workdir = slurm.workdir("etcd-cut-")
-    job_id = submit_runtime_job(slurm, workdir)
-    ref, _ = wait_hot(slurm, job_id)
-    wait_steps(slurm, job_id, 30, 120)
-    doc = wait_status(ref, lambda d: True, 10)
+    workdir, job_id, ref, doc = start_runtime_job(slurm, "etcd-cut-")
     victim = next(n for n in doc["nodes"] if n["role"] == "active" and n["node"] != doc["leader"])
     rank = victim["ranks"][0]
     port = layout(slurm, job_id).client_port
