@@ -18,7 +18,8 @@ from agent.node import run_agent
 
 def setup_logging(node: str, level: int = logging.INFO) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(f"[tmrun {node}] %(levelname)s %(message)s"))
+    handler.setFormatter(logging.Formatter(f"[tmrun {node} %(asctime)s.%(msecs)03d] %(levelname)s %(message)s",
+                                           datefmt="%H:%M:%S"))
     root = logging.getLogger("tmrun")
     root.handlers[:] = [handler]
     root.setLevel(level)

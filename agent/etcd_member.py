@@ -241,7 +241,8 @@ class MemberHost:
     async def release(self, store, keys, job_ended: bool, limit: float = 30.0) -> None:
         """Keep the member up while it is still needed, at most ``limit`` seconds.
 
-        The job ended: until every other agent has left (they must see the outcome). This node
+        The job ended: until every other agent of the job said it saw the outcome (``done/<node>``);
+        a node whose key vanished with an expired lease may still be waiting for it. This node
         left a running job: until the keeper removed its member (the cluster stays whole).
         """
         if self.server is None or not self.server.running():
@@ -252,10 +253,10 @@ class MemberHost:
         if job_ended:
             async def others() -> bool:
                 try:
-                    entries, _ = await store.get_prefix(keys.nodes)
+                    entries, _ = await store.get_prefix(keys.root)
                 except StoreError:
                     return True  # cannot tell: someone may still need this member's vote
-                return bool(entries)
+                return bool(awaiting_ack(entries, keys, self.layout.hosts, self.node))
             await retrying(others)
         else:
             name = self.layout.name(self.node)
@@ -274,3 +275,17 @@ class MemberHost:
         shutil.rmtree(self.data_dir, ignore_errors=True)
         with contextlib.suppress(OSError):
             self.data_dir.parent.rmdir()  # the job's directory, once the last member on this file system is gone
+
+
+def awaiting_ack(entries: dict, keys, hosts: tuple[str, ...] | list[str], me: str) -> set[str]:
+    """The job's nodes that have not yet said they saw the outcome.
+
+    Every registered node, and every host of the allocation that the plan does not count as out
+    of the pool (a host whose lease expired during an outage is still running its agent).
+    """
+    expected = {keys.relative(k)[len("nodes/"):] for k in entries if keys.relative(k).startswith("nodes/")}
+    expected |= set(hosts)
+    if keys.plan in entries:
+        expected -= set(Plan.from_dict(entries[keys.plan].value).out)
+    acked = {keys.relative(k)[len("done/"):] for k in entries if keys.relative(k).startswith("done/")}
+    return expected - acked - {me}

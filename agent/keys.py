@@ -51,6 +51,14 @@ class JobKeys:
     def event(self, seq: int) -> str:
         return f"{self.events}{seq:020d}"
 
+    @property
+    def done(self) -> str:
+        return self.root + "done/"
+
+    def node_done(self, node: str) -> str:
+        """``node``'s agent saw the outcome and leaves (the etcd members wait for these)."""
+        return self.done + node
+
     def etcd_member(self, node: str) -> str:
         """The keeper's word to ``node``: start a new member of the job's etcd cluster."""
         return f"{self.root}etcd/{node}"

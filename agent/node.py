@@ -216,6 +216,8 @@ class NodeAgent:
         if outcome_entry is not None:
             outcome = Outcome.from_dict(outcome_entry.value)
             await self._stop_workers()
+            await self._store.put(self._keys.node_done(self.cfg.node), {"v": 1, "node": self.cfg.node,
+                                                                         "at": time.time()})
             return EXIT_OK if outcome.state == "succeeded" else EXIT_FAILED
         plan_entry = await self._store.get(self._keys.plan)
         if plan_entry is not None and await self._reconcile(Plan.from_dict(plan_entry.value)):

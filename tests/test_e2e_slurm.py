@@ -263,9 +263,6 @@ def test_etcd_member_losses_cost_no_step(slurm, runtime_reference):
     check_runtime_job(slurm, job_id, workdir, runtime_reference, replaced={ranks["node2"]})
 
 
-@pytest.mark.skipif(not os.environ.get("TMRUN_SLOW_SLURM"), reason=(
-    "known flaky in the full suite: after the outage and the drain, one agent sometimes never sees the "
-    "outcome and the job does not end (passes alone; set TMRUN_SLOW_SLURM=1 to run it)"))
 @pytest.mark.timeout(600)
 def test_no_quorum_for_60_s_training_goes_on(slurm, tmp_path_factory):
     steps = 1300  # 60 s without etcd, then a drain, well before the end

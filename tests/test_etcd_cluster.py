@@ -117,3 +117,28 @@ def test_etcd_start_error_is_one_line_with_what_etcd_said(tmp_path):
     text = str(failed.value)
     assert "\n" not in text and "expected IP in URL for binding" in text, text
     assert not server.running()
+
+
+def _entries(keys, **values):
+    from agent.store import Entry
+
+    return {keys.root + rel: Entry(keys.root + rel, value, 1, 1) for rel, value in values.items()}
+
+
+def test_a_member_host_waits_for_every_node_that_did_not_see_the_outcome():
+    from agent.etcd_member import awaiting_ack
+    from agent.keys import JobKeys
+    from agent.records import Plan
+
+    keys = JobKeys("812345")
+    plan = Plan(gen=2, members=("node1", "node4"), slots={"node1": 1, "node4": 1}, store_host="node1",
+                store_port=1, leader="node1", out={"node2": "drained"}).to_dict()
+    hosts = ("node1", "node2", "node3", "node4")
+    # node3's key is gone (its lease expired in an outage) but it never said it saw the outcome
+    entries = _entries(keys, plan=plan, **{"nodes/node4": {}, "done/node4": {}})
+    assert awaiting_ack(entries, keys, hosts, "node1") == {"node3"}
+    entries = _entries(keys, plan=plan, **{"done/node3": {}, "done/node4": {}})
+    assert awaiting_ack(entries, keys, hosts, "node1") == set()
+    # a node outside the allocation (an external standby) counts while it is registered
+    entries = _entries(keys, plan=plan, **{"nodes/extra": {}, "done/node3": {}, "done/node4": {}})
+    assert awaiting_ack(entries, keys, hosts, "node1") == {"extra"}
