@@ -108,6 +108,8 @@ class AgentConfig:
     tls_cacert: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    etcd_user: str | None = None  # etcd's own authentication (an external etcd); the password is in a file
+    etcd_password_file: str | None = None
     # Under SLURM, the node that hosts the embedded etcd keeps it up until the others have left.
     hosts_store: bool = False
 

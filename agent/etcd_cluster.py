@@ -47,6 +47,11 @@ class Layout:
     client_port: int
     peer_port: int
     size: int
+    tls: bool = False  # members speak TLS to clients and to each other (agent/credentials.py)
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls else "http"
 
     @property
     def initial_hosts(self) -> tuple[str, ...]:
@@ -56,21 +61,22 @@ class Layout:
         return f"tmrun-{host}"
 
     def peer_url(self, host: str) -> str:
-        return f"http://{host}:{self.peer_port}"
+        return f"{self.scheme}://{host}:{self.peer_port}"
 
     def initial_cluster(self) -> dict[str, str]:
         return {self.name(h): self.peer_url(h) for h in self.initial_hosts}
 
     @property
     def endpoint(self) -> str:
-        """Client endpoints, members first (``parse_endpoint`` reads it)."""
-        return ",".join(f"{h}:{self.client_port}" for h in self.hosts)
+        """Client endpoints, members first (``parse_endpoint`` reads it; ``https://`` when TLS)."""
+        prefix = "https://" if self.tls else ""
+        return ",".join(f"{prefix}{h}:{self.client_port}" for h in self.hosts)
 
 
-def layout_for(alloc: SlurmAllocation) -> Layout:
+def layout_for(alloc: SlurmAllocation, tls: bool = False) -> Layout:
     client = etcd_port_for_job(alloc.job_id)
     size = MAX_MEMBERS if alloc.nnodes >= MAX_MEMBERS else 1
-    return Layout(tuple(alloc.hosts), client, client + PEER_PORT_OFFSET, size)
+    return Layout(tuple(alloc.hosts), client, client + PEER_PORT_OFFSET, size, tls)
 
 
 def host_of(peer_urls: Iterable[str]) -> str:

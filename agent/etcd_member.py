@@ -31,6 +31,7 @@ from typing import Callable
 
 import tenacity
 
+from agent.credentials import UserCredentials, server_certificate
 from agent.errors import StoreError
 from agent.etcd_cluster import START_TIMEOUT, Layout, MemberView, host_of, next_repair
 from agent.etcd_server import EmbeddedEtcd
@@ -116,7 +117,7 @@ class MemberHost:
 
     def __init__(self, layout: Layout, node: str, address: str, data_root: Path,
                  report: Callable[[str], None] = log.warning, wall: Callable[[], float] = time.time,
-                 grace: float = 10.0) -> None:
+                 grace: float = 10.0, credentials: UserCredentials | None = None) -> None:
         self.layout = layout
         self.node = node
         self.address = address
@@ -129,12 +130,17 @@ class MemberHost:
         self._stale: set[str] = set()
         self._missing_since: dict[str, float] = {}  # node -> when the keeper first saw it unregistered
         self.grace = grace
+        self.credentials = credentials  # members speak TLS with certificates of the user's CA
 
     def _server(self, cluster: dict[str, str], state: str) -> EmbeddedEtcd:
         shutil.rmtree(self.data_dir, ignore_errors=True)  # a fresh member: no state of another run
+        tls = None
+        if self.credentials is not None:
+            names = list(dict.fromkeys([self.node, self.address, "localhost", "127.0.0.1"]))
+            tls = server_certificate(self.credentials, self.data_dir / "tls", names)
         return EmbeddedEtcd(self.data_dir, host=self.address, advertise_host=self.node,
                             client_port=self.layout.client_port, peer_port=self.layout.peer_port,
-                            name=self.layout.name(self.node), initial_cluster=cluster, cluster_state=state)
+                            name=self.layout.name(self.node), initial_cluster=cluster, cluster_state=state, tls=tls)
 
     def boot(self, timeout: float = READY_TIMEOUT) -> None:
         """Start this node's initial member, if it has one, and wait until the cluster serves."""

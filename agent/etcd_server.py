@@ -37,6 +37,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import urllib.error
 import urllib.request
@@ -44,6 +45,7 @@ from pathlib import Path
 
 import tenacity
 
+from agent.credentials import ServerTls
 from agent.errors import ConfigError, StoreError
 
 PORT_ATTEMPTS = 3  # how many times start() picks new ports after "address already in use"
@@ -110,6 +112,8 @@ class EmbeddedEtcd:
         advertise_host: str | None = None,
         initial_cluster: dict[str, str] | None = None,
         cluster_state: str = "new",
+        tls: ServerTls | None = None,
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         if cluster_state not in ("new", "existing"):
             raise ConfigError(f"etcd cluster state must be 'new' or 'existing', not {cluster_state!r}")
@@ -119,6 +123,8 @@ class EmbeddedEtcd:
         self.name = name
         self.initial_cluster = dict(initial_cluster) if initial_cluster else None
         self.cluster_state = cluster_state
+        self.tls = tls
+        self.extra_args = tuple(extra_args)  # more etcd flags, as given (tests: --auth-token-ttl)
         self._wanted = (client_port, peer_port)
         self.client_port = client_port
         self.peer_port = peer_port
@@ -132,8 +138,18 @@ class EmbeddedEtcd:
         return f"{_host_text(self.advertise_host)}:{self.client_port}"
 
     @property
+    def scheme(self) -> str:
+        """``https`` when the member speaks TLS (to clients and peers alike), else ``http``."""
+        return "https" if self.tls else "http"
+
+    @property
+    def url(self) -> str:
+        """The client endpoint with its scheme: ``https://host:port`` for a TLS member."""
+        return f"{self.scheme}://{self.endpoint}"
+
+    @property
     def peer_url(self) -> str:
-        return f"http://{_host_text(self.advertise_host)}:{self.peer_port}"
+        return f"{self.scheme}://{_host_text(self.advertise_host)}:{self.peer_port}"
 
     @property
     def pid(self) -> int | None:
@@ -196,9 +212,9 @@ class EmbeddedEtcd:
         self.client_port = self._wanted[0] or free_port(self.host)
         self.peer_port = self._wanted[1] or free_port(self.host)
         host = _host_text(self.host)
-        client_url = f"http://{host}:{self.client_port}"
-        listen_peer = f"http://{host}:{self.peer_port}"
-        advertise_client = f"http://{_host_text(self.advertise_host)}:{self.client_port}"
+        client_url = f"{self.scheme}://{host}:{self.client_port}"
+        listen_peer = f"{self.scheme}://{host}:{self.peer_port}"
+        advertise_client = f"{self.scheme}://{_host_text(self.advertise_host)}:{self.client_port}"
         cluster = self.initial_cluster or {self.name: self.peer_url}
         args = [
             binary,
@@ -214,6 +230,14 @@ class EmbeddedEtcd:
             "--auto-compaction-retention", "1h",
             "--log-level", "warn",
         ]  # fmt: skip
+        if self.tls is not None:  # only holders of a certificate from the same CA get in, clients and peers
+            args += [
+                "--client-cert-auth", "--trusted-ca-file", str(self.tls.ca),
+                "--cert-file", str(self.tls.cert), "--key-file", str(self.tls.key),
+                "--peer-client-cert-auth", "--peer-trusted-ca-file", str(self.tls.ca),
+                "--peer-cert-file", str(self.tls.cert), "--peer-key-file", str(self.tls.key),
+            ]  # fmt: skip
+        args += self.extra_args
         hook = _parent_death_hook()
         with open(self.log_path, "ab") as log:
             self._log_start = log.tell()
@@ -232,7 +256,7 @@ class EmbeddedEtcd:
         Raises StoreError with one line (what etcd said) when it exits meanwhile or times out;
         the process is left as it is (``stop`` it if it should go).
         """
-        self._wait_healthy(f"http://{_host_text(self.host)}:{self.client_port}/health", timeout)
+        self._wait_healthy(f"{self.scheme}://{_host_text(self.host)}:{self.client_port}/health", timeout)
 
     def _wait_healthy(self, url: str, timeout: float) -> None:
         retrying = tenacity.Retrying(
@@ -259,12 +283,23 @@ class EmbeddedEtcd:
             said = self.last_error(since=self._log_start) or (tail.splitlines() or ["no log"])[-1][:300]
             raise StoreError(f"etcd exited with code {code} during start: {said} (log: {self.log_path})")
         try:
-            with urllib.request.urlopen(url, timeout=1.0) as reply:  # noqa: S310 - our own URL
+            with urllib.request.urlopen(url, timeout=1.0, context=self._ssl_context()) as reply:  # noqa: S310
                 body = json.loads(reply.read() or b"{}")
         except (OSError, ValueError) as exc:  # URLError is an OSError
             raise _NotReady(str(exc)) from exc
         if str(body.get("health")) != "true":
             raise _NotReady(f"health: {body}")
+
+    @functools.cached_property
+    def _ssl_context_cached(self) -> ssl.SSLContext:
+        assert self.tls is not None
+        context = ssl.create_default_context(cafile=str(self.tls.ca))
+        context.check_hostname = False  # the health check goes to the listen IP; the CA is what counts
+        context.load_cert_chain(str(self.tls.client), str(self.tls.client_key))
+        return context
+
+    def _ssl_context(self) -> ssl.SSLContext | None:
+        return self._ssl_context_cached if self.tls is not None else None
 
     def log_tail(self, lines: int = LOG_TAIL_LINES, *, since: int = 0) -> str:
         """The last lines of the server's log from byte ``since`` on (empty when there is none)."""

@@ -48,7 +48,7 @@ from agent.store import Entry, Event, Store, Watch
 T = TypeVar("T")
 
 MAX_ATTEMPTS = 10
-SCHEMES = ("etcd", "http")
+SCHEMES = ("etcd", "http", "https")
 CANCEL_TIMEOUT = 2.0  # seconds to wait for aetcd to enqueue a watch cancel request
 
 _RETRYABLE = (aetcd.ConnectionFailedError, aetcd.ConnectionTimeoutError, aetcd.WatchTimeoutError)
@@ -102,6 +102,24 @@ class TlsOptions:
         return grpc.ssl_channel_credentials(root_certificates=root, private_key=key, certificate_chain=cert)
 
 
+@dataclasses.dataclass(frozen=True)
+class Login:
+    """etcd's own authentication: a user name and a file holding the password (0600, the user's own)."""
+
+    user: str
+    password_file: str
+
+    def password(self) -> str:
+        from agent.credentials import check_private
+
+        check_private(Path(self.password_file), directory=False)
+        try:
+            text = Path(self.password_file).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read the etcd password file {self.password_file}: {exc}") from exc
+        return text.rstrip("\r\n")
+
+
 # -- endpoints ---------------------------------------------------------------------------------
 
 _HOST_PORT = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.%\w]+)\]|(?P<host>[A-Za-z0-9._-]+)):(?P<port>\d+)$")
@@ -129,7 +147,8 @@ def _parse_one(item: str, whole: str) -> tuple[str, int]:
     if "://" in item:
         scheme, item = item.split("://", 1)
         if scheme.lower() not in SCHEMES:
-            raise ConfigError(f"unknown scheme {scheme + '://'!r} in etcd endpoint {whole!r}; use etcd:// or http://")
+            raise ConfigError(f"unknown scheme {scheme + '://'!r} in etcd endpoint {whole!r}; "
+                              "use etcd://, http:// or https://")
         item = item.rstrip("/")
     match = _HOST_PORT.match(item)
     if match is None:
@@ -142,16 +161,42 @@ def _parse_one(item: str, whole: str) -> tuple[str, int]:
     return (match["v6"] or match["host"], port)
 
 
+def wants_tls(text: str) -> bool:
+    """Whether an endpoint list asks for TLS (any entry written ``https://``)."""
+    return any(item.strip().lower().startswith("https://") for item in (text or "").split(","))
+
+
+def client_tls(endpoint: str, cacert: str | None, cert: str | None, key: str | None,
+               credentials: Path | None) -> TlsOptions | None:
+    """How to reach ``endpoint``: the TLS files given, else for an ``https://`` endpoint the user's
+    tmrun credentials (``credentials``, their directory; see agent/credentials.py), else plain."""
+    if cacert or cert or key:
+        return TlsOptions(cacert, cert, key)
+    if not wants_tls(endpoint):
+        return None
+    if credentials is None:
+        raise ConfigError(f"etcd endpoint {endpoint!r} asks for TLS: give --etcd-cacert/--etcd-cert/--etcd-key")
+    from agent.credentials import check_private, UserCredentials
+
+    creds = UserCredentials(credentials)
+    check_private(creds.directory, directory=True)
+    for path in (creds.ca, creds.client, creds.client_key):
+        check_private(path, directory=False)
+    return TlsOptions(str(creds.ca), str(creds.client), str(creds.client_key))
+
+
 # -- the client --------------------------------------------------------------------------------
 
 
 class _Client(aetcd.Client):
     """``aetcd.Client`` over a channel of our making: IPv6-safe target, TLS when asked."""
 
-    def __init__(self, host: str, port: int, *, timeout: float, credentials: grpc.ChannelCredentials | None):
+    def __init__(self, host: str, port: int, *, timeout: float, credentials: grpc.ChannelCredentials | None,
+                 login: Login | None = None):
         super().__init__(host=host, port=port, timeout=timeout)
         self._target = format_endpoint(host, port)
         self._credentials = credentials
+        self._login = login
 
     async def connect(self) -> None:
         if self._connected.is_set():
@@ -165,7 +210,20 @@ class _Client(aetcd.Client):
         self.leasestub = rpc.LeaseStub(self.channel)
         self.maintenancestub = rpc.MaintenanceStub(self.channel)
         self._watcher = aetcd.Watcher(rpc.WatchStub(self.channel), timeout=self._timeout)
+        if self._login is not None:
+            await self.authenticate()
         self._connected.set()
+
+    async def authenticate(self) -> None:
+        """Log in with the user name and password (again when etcd says the token expired)."""
+        assert self._login is not None
+        try:
+            reply = await rpc.AuthStub(self.channel).Authenticate(
+                rpc.AuthenticateRequest(name=self._login.user, password=self._login.password()), timeout=self._timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise _client_error(exc) from exc
+        self.metadata = (("token", reply.token),)
+        self._watcher._metadata = self.metadata  # aetcd's watcher keeps its own copy
 
 
 def _encode(value: dict) -> bytes:
@@ -202,6 +260,7 @@ class EtcdStore(Store):
         endpoints: list[tuple[str, int]],
         *,
         tls: TlsOptions | None = None,
+        login: Login | None = None,
         timeout: float = 5.0,
         retry_deadline: float = 20.0,
         max_attempts: int = MAX_ATTEMPTS,
@@ -212,6 +271,9 @@ class EtcdStore(Store):
         self._endpoints = list(endpoints)
         self.endpoint = ",".join(format_endpoint(h, p) for h, p in self._endpoints)
         self._credentials = tls.credentials() if tls else None
+        if login is not None:
+            login.password()  # a missing or open password file is a one-line error now, not at first use
+        self._login = login
         self._timeout = timeout
         self._retry_deadline = retry_deadline
         self._max_attempts = max_attempts
@@ -237,7 +299,7 @@ class EtcdStore(Store):
         client = self._clients.get(index)
         if client is None:
             host, port = self._endpoints[index]
-            client = _Client(host, port, timeout=self._timeout, credentials=self._credentials)
+            client = _Client(host, port, timeout=self._timeout, credentials=self._credentials, login=self._login)
             self._clients[index] = client
         return client
 
@@ -245,12 +307,16 @@ class EtcdStore(Store):
         if self._closed:
             raise StoreError(f"store for {self.endpoint} is closed")
         index = self._current
+        client = self._client(index)
         try:
             try:
-                return await fn(self._client(index))
+                return await fn(client)
             except grpc.aio.AioRpcError as exc:  # aetcd's async generators (member list) let these through
                 raise _client_error(exc) from exc
             except aetcd.ClientError as exc:
+                if self._login is not None and "invalid auth token" in str(exc):  # the token expired: log in again
+                    await client.authenticate()
+                    return await fn(client)
                 if not isinstance(exc, _RETRYABLE) and any(text in str(exc) for text in _TRANSIENT):
                     raise aetcd.ConnectionFailedError(str(exc)) from exc
                 raise

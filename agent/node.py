@@ -478,12 +478,13 @@ class NodeAgent:
 def make_store(cfg: AgentConfig) -> Store:
     # The agent forks workers while gRPC threads run; gRPC's fork handlers only add noise there.
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
-    from agent.etcd_store import EtcdStore, TlsOptions, parse_endpoint
+    from agent.etcd_store import EtcdStore, Login, TlsOptions, parse_endpoint
 
     tls = None
     if cfg.tls_cacert or cfg.tls_cert or cfg.tls_key:
         tls = TlsOptions(cfg.tls_cacert, cfg.tls_cert, cfg.tls_key)
-    return EtcdStore(parse_endpoint(cfg.endpoint), tls=tls, retry_deadline=cfg.timeouts.store_retry)
+    login = Login(cfg.etcd_user, cfg.etcd_password_file) if cfg.etcd_user and cfg.etcd_password_file else None
+    return EtcdStore(parse_endpoint(cfg.endpoint), tls=tls, login=login, retry_deadline=cfg.timeouts.store_retry)
 
 
 async def run_agent(cfg: AgentConfig, hosting: MemberHost | None = None) -> int:

@@ -307,9 +307,8 @@ def kill_once(job: common.TmrunJob, args, known: int) -> dict:
 # ------------------------------------------------------------------------------ etcd round trips
 
 async def _round_trips(endpoint: str, job: str, n: int) -> dict[str, list[float]]:
-    import aetcd
-
-    from agent.etcd_store import EtcdStore, parse_endpoint
+    from agent.credentials import credentials_dir
+    from agent.etcd_store import EtcdStore, _Client, client_tls, parse_endpoint
     from agent.keys import JobKeys
 
     host, port = parse_endpoint(endpoint)[0]
@@ -323,8 +322,9 @@ async def _round_trips(endpoint: str, job: str, n: int) -> dict[str, list[float]
             await make()
             times[label].append(time.perf_counter() - t)
 
-    raw = aetcd.Client(host=host, port=port)
-    store = EtcdStore(parse_endpoint(endpoint))
+    tls = client_tls(endpoint, None, None, None, credentials_dir(os.environ))
+    raw = _Client(host, port, timeout=5.0, credentials=tls.credentials() if tls else None)  # aetcd, our channel
+    store = EtcdStore(parse_endpoint(endpoint), tls=tls)
     try:
         await raw.put(key.encode(), b'{"v":1}')  # connect
         await timed("aetcd get", lambda: raw.get(key.encode()))

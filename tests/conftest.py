@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from agent.etcd_server import EmbeddedEtcd
@@ -15,6 +17,19 @@ def etcd_server(tmp_path_factory: pytest.TempPathFactory):
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _credentials(tmp_path_factory: pytest.TempPathFactory):
+    """The tests' own tmrun CA (TMRUN_CREDENTIALS), made by the first job, out of the home directory."""
+    path = tmp_path_factory.mktemp("credentials-parent") / "credentials"
+    old = os.environ.get("TMRUN_CREDENTIALS")
+    os.environ["TMRUN_CREDENTIALS"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("TMRUN_CREDENTIALS", None)
+    else:
+        os.environ["TMRUN_CREDENTIALS"] = old
 
 
 @pytest.fixture(autouse=True)

@@ -20,7 +20,8 @@ import torch
 
 from agent.changes import Changes
 from agent.errors import JobNotFound
-from agent.etcd_store import EtcdStore, parse_endpoint
+from agent.credentials import credentials_dir
+from agent.etcd_store import EtcdStore, client_tls, parse_endpoint
 from agent.keys import JobKeys
 from tmrun import admin
 from tmrun.jobs import JobRef
@@ -150,9 +151,15 @@ def wait_events(ref, predicate: Callable[[list[dict]], bool], timeout: float) ->
     return _wait_job(ref, admin.events, predicate, timeout)
 
 
+def job_store(endpoint: str, **kwargs) -> EtcdStore:
+    """A store on a job's etcd, with the user's credentials when the endpoint is ``https://``."""
+    tls = client_tls(endpoint, None, None, None, credentials_dir(os.environ))
+    return EtcdStore(parse_endpoint(endpoint), tls=tls, **kwargs)
+
+
 def _wait_job(ref, read, predicate: Callable, timeout: float):
     async def go():
-        store = EtcdStore(parse_endpoint(ref.endpoint), retry_deadline=5)
+        store = job_store(ref.endpoint, retry_deadline=5)
         keys = JobKeys(ref.job)
         try:
             _, revision = await store.get_prefix(keys.root)

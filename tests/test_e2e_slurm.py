@@ -27,9 +27,8 @@ from pathlib import Path
 import pytest
 
 from agent.etcd_cluster import layout_for
-from agent.etcd_store import EtcdStore, parse_endpoint
 from agent.slurm import SlurmAllocation
-from tests.harness import FAST, assert_same_weights, run_tmrun, wait_events, wait_status
+from tests.harness import FAST, assert_same_weights, job_store, run_tmrun, wait_events, wait_status
 from tests.slurm_cluster import SlurmCluster, wait_for
 from tests.test_e2e_hot_swap import JOB, _events, _reference
 from tmrun.jobs import JobRef
@@ -44,7 +43,8 @@ STEPS = 700  # runtime_job.py steps for the control-plane tests (0.1 s each)
 
 
 def layout(slurm: SlurmCluster, job_id: int):
-    return layout_for(SlurmAllocation(str(job_id), len(slurm.nodes), 0, tuple(slurm.nodes), slurm.nodes[0]))
+    alloc = SlurmAllocation(str(job_id), len(slurm.nodes), 0, tuple(slurm.nodes), slurm.nodes[0])
+    return layout_for(alloc, tls=True)
 
 
 def ref_of(slurm: SlurmCluster, job_id: int) -> JobRef:
@@ -66,6 +66,31 @@ def gpt_reference(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def runtime_reference(tmp_path_factory) -> Path:
     return _reference(tmp_path_factory, 3, STEPS)
+
+
+PROBE = """
+import asyncio, sys
+from agent.credentials import credentials_dir
+from agent.errors import ConfigError, StoreError
+from agent.etcd_store import EtcdStore, client_tls, parse_endpoint
+endpoint = sys.argv[1]
+async def put(tls):
+    store = EtcdStore(parse_endpoint(endpoint), tls=tls, retry_deadline=3, max_attempts=3)
+    try:
+        await store.put("/tmrun/intruder", {"v": 1})
+    finally:
+        await store.close()
+try:
+    asyncio.run(put(None))
+    print("plain: got in")
+except StoreError:
+    print("plain: refused")
+try:
+    asyncio.run(put(client_tls(endpoint, None, None, None, credentials_dir({"TMRUN_CREDENTIALS": "/nonexistent"}))))
+    print("https: got in")
+except ConfigError:
+    print("https: no credentials")
+"""
 
 
 def submit_gpt(slurm: SlurmCluster, workdir: Path) -> int:
@@ -153,7 +178,7 @@ def members(slurm: SlurmCluster, job_id: int) -> list[tuple[str, bool]]:
     from agent.etcd_cluster import host_of
 
     async def ask():
-        store = EtcdStore(parse_endpoint(layout(slurm, job_id).endpoint), retry_deadline=10)
+        store = job_store(layout(slurm, job_id).endpoint, retry_deadline=10)
         try:
             return sorted((host_of(m.peer_urls), bool(m.name)) for m in await store.members())
         finally:
@@ -219,8 +244,13 @@ def test_slurm_drain_and_the_health_check_swap_the_node_out(slurm, gpt_reference
 def test_scancel_stops_every_process_on_every_node(slurm):
     workdir = slurm.workdir("cancel-")
     job_id = submit_runtime_job(slurm, workdir)
-    wait_hot(slurm, job_id)
+    ref, _ = wait_hot(slurm, job_id)
     assert {n for n in slurm.nodes if slurm.node_pids(n)} == set(slurm.nodes)
+    # the job's etcd is closed: from another host, a client without the user's credentials is refused
+    probe = subprocess.run(["ip", "netns", "exec", "node4", sys.executable, "-c", PROBE, ref.endpoint],
+                           capture_output=True, text=True, timeout=60, cwd=ROOT,
+                           env={**os.environ, "TMRUN_CREDENTIALS": str(workdir / "none")})
+    assert probe.stdout.splitlines() == ["plain: refused", "https: no credentials"], probe.stdout + probe.stderr
     slurm.scancel(job_id)
     assert slurm.wait_job(job_id, 120) == "CANCELLED"
     assert slurm.wait_no_leftovers(30) == []

@@ -40,6 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
         ("[::1]:2379", [("::1", 2379)]),
         ("etcd://[fe80::1]:2379,127.0.0.1:2380", [("fe80::1", 2379), ("127.0.0.1", 2380)]),
         ("  localhost:2379  ", [("localhost", 2379)]),
+        ("https://node1:22345,node2:22345", [("node1", 22345), ("node2", 22345)]),  # TLS: see wants_tls
     ],
 )
 def test_parse_endpoint_accepts(text: str, expected: list) -> None:
@@ -57,7 +58,6 @@ def test_parse_endpoint_accepts(text: str, expected: list) -> None:
         ("host:port", "expected host:port"),
         ("host:0", "out of range"),
         ("host:65536", "out of range"),
-        ("https://host:2379", "unknown scheme"),
         ("grpc://host:2379", "unknown scheme"),
         ("::1:2379", "brackets"),
         ("a:1,,b:2", "empty entry"),

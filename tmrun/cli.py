@@ -123,6 +123,11 @@ def launch(
     etcd_cacert: Annotated[Optional[str], _opt("--etcd-cacert", env="TMRUN_ETCD_CACERT", panel=RDZV)] = None,
     etcd_cert: Annotated[Optional[str], _opt("--etcd-cert", env="TMRUN_ETCD_CERT", panel=RDZV)] = None,
     etcd_key: Annotated[Optional[str], _opt("--etcd-key", env="TMRUN_ETCD_KEY", panel=RDZV)] = None,
+    etcd_user: Annotated[Optional[str], _opt("--etcd-user", env="TMRUN_ETCD_USER", panel=RDZV,
+                                             help="etcd user name (etcd's own authentication).")] = None,
+    etcd_password_file: Annotated[Optional[str], _opt("--etcd-password-file", env="TMRUN_ETCD_PASSWORD_FILE",
+                                                      panel=RDZV, help="File with the etcd user's password "
+                                                      "(yours, mode 0600).")] = None,
     log_dir: Annotated[Optional[str], _opt("--log-dir", "--log_dir", env="PET_LOG_DIR", panel=LOGS,
                                            help="Directory for worker logs and error files.")] = None,
     redirects: Annotated[str, _opt("-r", "--redirects", env="PET_REDIRECTS", panel=LOGS,
@@ -177,7 +182,8 @@ def launch(
                         redirects, tee, _ranks_filter(local_ranks_filter), max_restarts)
     slurm = None if standalone else detect_slurm(os.environ)
     common = dict(min_nodes=min_nodes, max_nodes=max_nodes, timeouts=timeouts, worker=worker,
-                  monitor_interval=monitor_interval, tls_cacert=etcd_cacert, tls_cert=etcd_cert, tls_key=etcd_key)
+                  monitor_interval=monitor_interval, tls_cacert=etcd_cacert, tls_cert=etcd_cert, tls_key=etcd_key,
+                  **_etcd_login(etcd_user, etcd_password_file))
     if standalone and rdzv_endpoint:
         console.warning("--standalone: ignoring --rdzv-endpoint, starting a local cluster")
     if standalone or (not rdzv_endpoint and slurm is None):
@@ -217,10 +223,46 @@ def _launch_local(rdzv_id: str, standby: int, common: dict) -> int:
     job = rdzv_id if rdzv_id != "none" else f"local-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     _check_job_id(job)
     common = _with_log_dir(common)
+    creds = _user_credentials()
+    common = {**common, **_client_files(creds)}
     total = common["max_nodes"] + standby
     configs = [AgentConfig(job_id=job, node=f"node-{i}", host="127.0.0.1", endpoint="",
                            standby_hint=i >= common["max_nodes"], **common) for i in range(total)]
-    return run_local_cluster(configs, runtime_dir(os.environ), console.info, _log_root(common["worker"]))
+    return run_local_cluster(configs, runtime_dir(os.environ), console.info, _log_root(common["worker"]), creds)
+
+
+def _etcd_login(user: str | None, password_file: str | None) -> dict[str, str | None]:
+    """``--etcd-user`` and ``--etcd-password-file`` go together; the file is checked now (one line)."""
+    if bool(user) != bool(password_file):
+        raise ConfigError("--etcd-user and --etcd-password-file go together: give both or neither")
+    if password_file:
+        from agent.etcd_store import Login
+
+        Login(user, password_file).password()
+    return {"etcd_user": user, "etcd_password_file": password_file}
+
+
+def _user_credentials():
+    """The user's tmrun CA and client certificate (made on first use; agent/credentials.py)."""
+    from agent.credentials import credentials_dir, user_credentials
+
+    return user_credentials(credentials_dir(os.environ))
+
+
+def _client_files(creds) -> dict[str, str | None]:
+    """What agents present to the job's own etcd: the user's client certificate (no user name there)."""
+    return {"tls_cacert": str(creds.ca), "tls_cert": str(creds.client), "tls_key": str(creds.client_key),
+            "etcd_user": None, "etcd_password_file": None}
+
+
+def _endpoint_tls(endpoint: str, cacert: str | None, cert: str | None, key: str | None) -> dict[str, str | None]:
+    """The TLS files for ``endpoint``: those given, else the user's for an ``https://`` one."""
+    from agent.credentials import credentials_dir
+    from agent.etcd_store import client_tls
+
+    tls = client_tls(endpoint, cacert, cert, key, credentials_dir(os.environ))
+    return {"tls_cacert": tls.cacert if tls else None, "tls_cert": tls.cert if tls else None,
+            "tls_key": tls.key if tls else None}
 
 
 def _launch_node(rdzv_id: str, endpoint: str, node_name: str | None, local_addr: str | None, standby: int,
@@ -237,8 +279,10 @@ def _launch_node(rdzv_id: str, endpoint: str, node_name: str | None, local_addr:
         host = node_address(slurm.this_host, peers=slurm.hosts, override=local_addr)
         hint = slurm.node_id >= common["max_nodes"]
         if not endpoint:
-            hosting = _etcd_member_host(slurm, job, name, host, common["timeouts"].lease_ttl)
+            creds = _user_credentials()
+            hosting = _etcd_member_host(slurm, job, name, host, common["timeouts"].lease_ttl, creds)
             endpoint = hosting.layout.endpoint
+            common = {**common, **_client_files(creds)}
     else:
         job = rdzv_id if rdzv_id != "none" else "default"
         name = node_name or socket.gethostname()
@@ -248,6 +292,8 @@ def _launch_node(rdzv_id: str, endpoint: str, node_name: str | None, local_addr:
         console.warning("--standby counts nodes only in a local cluster or under SLURM; "
                         "with an endpoint, every node beyond --nnodes is a standby")
     _check_job_id(job)
+    if hosting is None:
+        common = {**common, **_endpoint_tls(endpoint, common["tls_cacert"], common["tls_cert"], common["tls_key"])}
     common = _with_log_dir(common)
     cfg = AgentConfig(job_id=job, node=name, host=host, endpoint=endpoint, standby_hint=hint,
                       hosts_store=hosting is not None, **common)
@@ -259,13 +305,14 @@ def _launch_node(rdzv_id: str, endpoint: str, node_name: str | None, local_addr:
     return run_node(cfg, hosting, console.info, _log_root(cfg.worker))
 
 
-def _etcd_member_host(slurm, job: str, name: str, address: str, lease_ttl: int):
-    """This node's part in the job's embedded etcd cluster (agent/etcd_cluster.py)."""
+def _etcd_member_host(slurm, job: str, name: str, address: str, lease_ttl: int, creds):
+    """This node's part in the job's embedded etcd cluster (agent/etcd_cluster.py), closed by TLS."""
     from agent.etcd_cluster import layout_for
     from agent.etcd_member import MemberHost
 
     data_root = Path(os.environ.get("TMPDIR") or tempfile.gettempdir()) / f"tmrun-{job}"
-    return MemberHost(layout_for(slurm), name, address, data_root, report=console.warning, grace=2.0 * lease_ttl + 2)
+    return MemberHost(layout_for(slurm, tls=True), name, address, data_root, report=console.warning,
+                      grace=2.0 * lease_ttl + 2, credentials=creds)
 
 
 def _check_job_id(job: str) -> None:
@@ -330,21 +377,23 @@ def _job_ref(job: str | None, endpoint: str | None) -> JobRef:
     if slurm is not None and job is None:
         from agent.etcd_cluster import layout_for
 
-        return JobRef(f"slurm-{slurm.job_id}", layout_for(slurm).endpoint)
+        return JobRef(f"slurm-{slurm.job_id}", layout_for(slurm, tls=True).endpoint)
     return find_job(runtime_dir(os.environ), job)
 
 
 def _admin(ref: JobRef, store_timeout: float, work):
-    from agent.etcd_store import EtcdStore, TlsOptions, parse_endpoint
+    from agent.credentials import credentials_dir
+    from agent.etcd_store import EtcdStore, Login, client_tls, parse_endpoint
     from tmrun.admin import run
 
     env = os.environ
-    tls = None
-    if any(env.get(f"TMRUN_ETCD_{k}") for k in ("CACERT", "CERT", "KEY")):
-        tls = TlsOptions(env.get("TMRUN_ETCD_CACERT"), env.get("TMRUN_ETCD_CERT"), env.get("TMRUN_ETCD_KEY"))
+    tls = client_tls(ref.endpoint, env.get("TMRUN_ETCD_CACERT"), env.get("TMRUN_ETCD_CERT"), env.get("TMRUN_ETCD_KEY"),
+                     credentials_dir(env))
+    login = _etcd_login(env.get("TMRUN_ETCD_USER"), env.get("TMRUN_ETCD_PASSWORD_FILE"))
 
     async def go():
-        store = EtcdStore(parse_endpoint(ref.endpoint), tls=tls, retry_deadline=store_timeout)
+        store = EtcdStore(parse_endpoint(ref.endpoint), tls=tls, retry_deadline=store_timeout,
+                          login=Login(login["etcd_user"], login["etcd_password_file"]) if login["etcd_user"] else None)
         try:
             return await work(store)
         finally:

@@ -26,6 +26,7 @@ from typing import Callable
 
 from agent.config import AgentConfig
 from agent.errors import StoreError
+from agent.credentials import UserCredentials, server_certificate
 from agent.etcd_member import MemberHost, keep_alive
 from agent.etcd_server import EmbeddedEtcd
 from agent.history import save_history
@@ -96,17 +97,21 @@ async def _supervise_agents(configs: list[AgentConfig], grace: float,
 
 
 def run_local_cluster(configs: list[AgentConfig], runtime: Path, report: Callable[[str], None],
-                      log_root: Path | None = None) -> int:
-    """Run a whole job on this machine; returns the job's exit code."""
+                      log_root: Path | None = None, credentials: UserCredentials | None = None) -> int:
+    """Run a whole job on this machine; returns the job's exit code.
+
+    With ``credentials`` the job's etcd admits only holders of a certificate of the user's CA
+    (the configs carry the client files); the runtime file then names an ``https://`` endpoint.
+    """
     job = configs[0].job_id
     with tempfile.TemporaryDirectory(prefix=f"tmrun-{job}-etcd-") as data_dir:
-        etcd = EmbeddedEtcd(Path(data_dir))
+        tls = server_certificate(credentials, Path(data_dir) / "tls", ["localhost", "127.0.0.1"]) if credentials else None
+        etcd = EmbeddedEtcd(Path(data_dir), tls=tls)
         etcd.start()
         try:
-            endpoint = etcd.endpoint
-            configs = [dataclasses.replace(c, endpoint=endpoint) for c in configs]
-            runtime_file = write_runtime_file(runtime, job, endpoint, os.getpid(), time.time())
-            report(f"job {job}: {len(configs)} agents, etcd at {endpoint}")
+            configs = [dataclasses.replace(c, endpoint=etcd.endpoint) for c in configs]
+            runtime_file = write_runtime_file(runtime, job, etcd.url, os.getpid(), time.time())
+            report(f"job {job}: {len(configs)} agents, etcd at {etcd.url}")
             try:
                 codes, sig = asyncio.run(_supervise_agents(configs, configs[0].timeouts.stop_grace, etcd, report))
                 outcome = asyncio.run(_read_outcome(configs[0]))
