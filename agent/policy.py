@@ -26,6 +26,14 @@ Which node is to blame (the culprit rule): a failure in one place usually makes 
 collective fail a moment later, so a plain non-zero exit is ambiguous. A lost lease or a worker
 killed by a signal is taken as the cause at once; otherwise the leader waits ``failure_window``
 seconds for such a clearer cause and then blames the node that reported first.
+
+The end of the job: it succeeds when every member's workers exited 0 in the current generation.
+A worker that fails after the job's last step (in the script's epilogue: a final save, a last
+print) fails the job unless a swap or restart then completes the same work. In a hot job, once a
+member has finished, no swap can (the state holders are gone): the job fails at once, naming the
+worker's rank and exit code. A restart (a torchrun script) reruns the script as usual. A swap
+that replaced a failed node and that nobody switched into before the holders finished leaves the
+failure standing; one that replaced a drained node does not (the leaver ran the last steps).
 """
 
 from __future__ import annotations
@@ -145,9 +153,8 @@ def decide(cluster: Cluster, limits: Limits, clock: Clock) -> Decision:
     holders = [m for m in plan.members if m not in plan.joiners]
     if plan.joiners and holders and all(_run(cluster, m).gen == plan.gen and _run(cluster, m).state == "succeeded"
                                         for m in holders) \
-            and not any(_run(cluster, j).last_swap.get("gen") == plan.gen for j in plan.joiners):
-        return Decision(Action.FINISH, f"the job's last step ran before {', '.join(plan.joiners)} could switch in: "
-                        f"all {len(holders)} nodes holding the state finished", outcome="succeeded", kind="succeeded")
+            and not any(_run(cluster, m).last_swap.get("gen") == plan.gen for m in plan.members):
+        return _end_race(plan, holders)
     failure = _on_failure(cluster, plan, limits, clock)
     if failure is not None:
         return failure
@@ -202,6 +209,21 @@ def _first(members: tuple[str, ...]) -> Decision:
     return Decision(Action.START, f"{len(members)} nodes joined", members=members, kind="start")
 
 
+def _end_race(plan: Plan, holders: list[str]) -> Decision:
+    """Every node holding the state finished before the joiners could switch in (nobody switched).
+
+    After a drain (``swap-agreed``) the leaver ran the last steps itself: the work is done. After a
+    failure (``swap-now``) the swap was to redo the failed node's work, and nobody did: the failure
+    stands (its worker's rank and exit code are in the plan's reason).
+    """
+    late = f"the job's last step ran before {', '.join(plan.joiners)} could switch in"
+    if plan.mode == "swap-now":
+        return Decision(Action.FINISH, f"{plan.reason}, but {late}: the failed node's work was not redone",
+                        outcome="failed", kind="failed")
+    return Decision(Action.FINISH, f"{late}: all {len(holders)} nodes holding the state finished",
+                    outcome="succeeded", kind="succeeded")
+
+
 def _on_failure(cluster: Cluster, plan: Plan, limits: Limits, clock: Clock) -> Decision | None:
     lost = _lost(cluster, plan)
     failed = _failed(cluster, plan)
@@ -211,13 +233,21 @@ def _on_failure(cluster: Cluster, plan: Plan, limits: Limits, clock: Clock) -> D
     if lost and not failed and clock.now < clock.settled_at:
         return Decision(Action.WAIT, f"generation {plan.gen}: no key for {', '.join(lost)}; etcd was away, "
                         "waiting for its agent to register again", until=clock.settled_at)
+    finished = [m for m in plan.members if _run(cluster, m).gen == plan.gen and _run(cluster, m).state == "succeeded"]
+    if plan.hot and finished:
+        # A step commits only when every rank votes for it, so a member that succeeded means the
+        # last step was committed everywhere: this failure came after it (a final save, a last
+        # print). The state holders' workers are gone, so no swap can redo it.
+        what = "; ".join(f"{m} {'was lost' if m in lost else _describe(cluster, m)}" for m in lost + failed)
+        return Decision(Action.FINISH, f"{what} after the job's last step ({', '.join(finished)} finished it)",
+                        outcome="failed", kind="failed")
     if lost or killed:
         culprits = lost + killed
     else:
         since = clock.failure_since if clock.failure_since is not None else clock.now
         deadline = since + limits.failure_window
         if len(failed) < len(plan.members) and clock.now < deadline:
-            return Decision(Action.WAIT, f"generation {plan.gen}: {_describe(cluster, failed[0])}; "
+            return Decision(Action.WAIT, f"generation {plan.gen}: {failed[0]} {_describe(cluster, failed[0])}; "
                             "waiting for a clearer cause", until=deadline)
         culprits = [min(failed, key=lambda m: cluster.nodes[m].report_revision)]
     return _replace(cluster, plan, limits, clock, culprits, lost)
@@ -338,7 +368,8 @@ def _failed(cluster: Cluster, plan: Plan) -> list[str]:
 
 
 def _describe(cluster: Cluster, node: str) -> str:
-    code = _run(cluster, node).exitcode
-    if code is not None and code < 0:
-        return f"worker killed by signal {-code}"
-    return f"worker exited with code {code}"
+    run = _run(cluster, node)
+    worker = "worker" if run.rank is None else f"worker rank {run.rank}"
+    if run.exitcode is not None and run.exitcode < 0:
+        return f"{worker} killed by signal {-run.exitcode}"
+    return f"{worker} exited with code {run.exitcode}"

@@ -25,6 +25,7 @@ from tests.harness import FAST, assert_same_weights, job_ref, run_tmrun, wait_ev
 pytestmark = pytest.mark.e2e
 
 JOB = Path(__file__).parent / "scripts" / "runtime_job.py"
+FAIL_AFTER_LOOP = Path(__file__).parent / "scripts" / "fail_after_loop.py"
 STEPS = 120
 PACE = ["--step-time", "0.08"]
 
@@ -199,3 +200,25 @@ def test_drains_during_a_swap_of_a_standby_and_rejoin(jobs, tmp_path, tmp_path_f
             committed.setdefault(event["rank"], []).append(event["step"])
     assert {rank: sorted(s) for rank, s in committed.items()} == {0: list(range(steps)), 1: list(range(steps))}
     assert "started generation 2" not in job.err.text()
+
+
+@pytest.mark.timeout(200)
+def test_a_worker_failing_after_the_last_step_fails_the_job(jobs, tmp_path):
+    """Rank 0 raises OSError after its loop (a final save that fails) while a standby waits: the
+    job fails with the worker's rank and exit code; a swap that nobody can switch into does not
+    turn it into a success."""
+    gate = tmp_path / "gate"
+    os.mkfifo(gate)
+    job = jobs(["--nnodes", "2", "--standby", "1", "--rdzv-conf", FAST, str(FAIL_AFTER_LOOP), "20", str(gate)])
+    ref = job_ref(job)
+    ready = wait_status(ref, lambda d: d["hot_swap"] and any(n["state"] == "shadow" for n in d["nodes"]), 90)
+    job.track()
+    rank0 = next(n["node"] for n in ready["nodes"] if n["ranks"] == [0])
+    with open(gate, "w"):  # rank 0 waits in its last step until this opens the FIFO
+        pass
+    assert job.wait(120) == 1, job.err.text()[-4000:]
+    err = job.err.text()
+    assert "OSError: [Errno 28] No space left on device: 'final.pt'" in err, err[-4000:]
+    ended = re.search(r"tmrun: job \S+ (succeeded|failed): (.*)", err)
+    assert ended and ended[1] == "failed", err[-4000:]
+    assert f"{rank0} worker rank 0 exited with code 1" in ended[2], ended[0]

@@ -26,9 +26,9 @@ SLOTS = 2
 
 
 def node(name: str, order: int, *, hint: bool = False, gen: int = 0, state: str = "idle",
-         code: int | None = None, rev: int | None = None) -> NodeView:
+         code: int | None = None, rev: int | None = None, rank: int | None = None) -> NodeView:
     """A live node; ``rev`` (when it last reported) defaults to its join order."""
-    return NodeView(name, order, SLOTS, hint, RunState(gen=gen, state=state, exitcode=code),
+    return NodeView(name, order, SLOTS, hint, RunState(gen=gen, state=state, exitcode=code, rank=rank),
                     order if rev is None else rev)
 
 
@@ -540,3 +540,62 @@ def test_rejoin_of_a_standby_changes_nothing() -> None:
                 requests=(dataclasses.replace(drain("s"), rejoin=True),))
     got = decide(c, FIXED2, T0)
     assert got.action is Action.ANSWER and got.answers[0].state == "done" and "standby already" in got.answers[0].text
+
+
+# -- the end of the job: a failure after the last step is the job's failure --------------------
+
+
+def succeeded(name: str, order: int, gen: int = 1, **kw: Any) -> NodeView:
+    return node(name, order, gen=gen, state="succeeded", code=0, **kw)
+
+
+SWAP_AFTER_FAILURE = hot_plan(("s", "b"), gen=2, mode="swap-now", joiners=("s",), out={"a": "failed"},
+                              reason="a worker rank 0 exited with code 1; s takes its place (hot swap)")
+SWAP_AFTER_DRAIN = hot_plan(("s", "b"), gen=2, mode="swap-agreed", joiners=("s",), out={"a": "drained"},
+                            reason="drain a: s takes its place (hot swap)")
+
+END = [
+    Case("hot-failure-after-a-member-finished-fails-at-once",
+         cluster(failed("a", 1, 1, rank=0), succeeded("b", 2), node("s", 3, state="shadow"), plan=hot_plan(("a", "b"))),
+         FIXED2, T0, Action.FINISH, outcome="failed",
+         reason_has=("a worker rank 0 exited with code 1 after the job's last step", "b finished it")),
+    Case("hot-kill-after-a-member-finished-fails",
+         cluster(failed("a", 1, -9, rank=0), succeeded("b", 2), node("s", 3, state="shadow"), plan=hot_plan(("a", "b"))),
+         FIXED2, T0, Action.FINISH, outcome="failed", reason_has=("a worker rank 0 killed by signal 9",)),
+    Case("hot-lost-after-a-member-finished-fails",
+         cluster(succeeded("b", 2), node("s", 3, state="shadow"), plan=hot_plan(("a", "b"))),
+         FIXED2, T0, Action.FINISH, outcome="failed", reason_has=("a was lost after the job's last step",)),
+    Case("hot-failure-while-the-others-still-run-waits-for-a-clearer-cause",
+         cluster(failed("a", 1, 1, rank=0), running("b", 2), node("s", 3, state="shadow"), plan=hot_plan(("a", "b"))),
+         FIXED2, Clock(now=1.0, failure_since=1.0), Action.WAIT, until=7.0,
+         reason_has=("a worker rank 0 exited with code 1",)),
+    Case("restart-mode-failure-after-a-member-finished-restarts-with-the-standby",
+         cluster(failed("a", 1, 1, rank=0), succeeded("b", 2), node("s", 3), plan=AB),
+         FIXED2, Clock(now=10.0, failure_since=1.0), Action.START, members=("s", "b"), out={"a": "failed"}),
+    Case("restart-mode-failure-after-a-member-finished-without-restarts-fails",
+         cluster(failed("a", 1, 1, rank=0), succeeded("b", 2), plan=AB),
+         FIXED2, Clock(now=10.0, failure_since=1.0), Action.FINISH, outcome="failed",
+         reason_has=("a worker rank 0 exited with code 1", "--max-restarts 0")),
+    Case("swap-after-a-failure-that-nobody-switched-into-fails",
+         cluster(succeeded("b", 2, gen=2), running("s", 3, gen=2), node("a", 1, gen=2), plan=SWAP_AFTER_FAILURE),
+         FIXED2, T0, Action.FINISH, outcome="failed",
+         reason_has=("a worker rank 0 exited with code 1", "before s could switch in", "not redone")),
+    Case("swap-after-a-drain-that-nobody-switched-into-succeeds",
+         cluster(succeeded("b", 2, gen=2), running("s", 3, gen=2), plan=SWAP_AFTER_DRAIN),
+         FIXED2, T0, Action.FINISH, outcome="succeeded", reason_has=("before s could switch in",)),
+    Case("a-holder-switched-in-so-the-joiner-did-too-wait-for-it",
+         cluster(switched(succeeded("b", 2, gen=2), 2), running("s", 3, gen=2), plan=SWAP_AFTER_FAILURE),
+         FIXED2, T0, Action.WAIT),
+    Case("the-joiner-redid-the-work-and-finished-succeeds",
+         cluster(switched(succeeded("b", 2, gen=2), 2), switched(succeeded("s", 3, gen=2), 2), plan=SWAP_AFTER_FAILURE),
+         FIXED2, T0, Action.FINISH, outcome="succeeded"),
+    Case("the-joiner-failed-after-the-last-step-fails",
+         cluster(switched(succeeded("b", 2, gen=2), 2), switched(failed("s", 3, 1, gen=2, rank=0), 2),
+                 plan=SWAP_AFTER_FAILURE),
+         FIXED2, T0, Action.FINISH, outcome="failed", reason_has=("s worker rank 0 exited with code 1",)),
+]
+
+
+@pytest.mark.parametrize("case", END, ids=[c.id for c in END])
+def test_end_of_the_job(case: Case) -> None:
+    check(case, decide(case.cluster, case.limits, case.clock))

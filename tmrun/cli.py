@@ -34,7 +34,8 @@ from tmrun.jobs import JobRef, find_job, running_jobs, runtime_dir
 
 EXIT_CODES = {
     0: "success (the job succeeded; a drain completed)",
-    1: "the job failed (a worker failed beyond the standby pool and --max-restarts, or rendezvous timed out)",
+    1: "the job failed (a worker failed beyond the standby pool and --max-restarts, a worker failed after the "
+       "job's last step, or rendezvous timed out)",
     2: "usage error: unknown or malformed flag, missing script, inconsistent values",
     3: "etcd is unreachable (after bounded retries), or stayed unreachable for longer than the outage bound "
        "while the job ran (the workers were stopped cleanly)",
