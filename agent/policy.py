@@ -110,8 +110,9 @@ class Decision:
     reason: str
     members: tuple[str, ...] = ()
     out: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    restarts: int = 0
+    restarts: int = 0  # generations that restarted workers because of a failure
     in_place_restarts: int = 0
+    hot_swaps: int = 0  # generations reached by a hot swap (a failure or a drain; nobody restarted)
     outcome: str = ""
     answers: tuple[Answer, ...] = ()
     until: float | None = None
@@ -166,13 +167,14 @@ def decide(cluster: Cluster, limits: Limits, clock: Clock) -> Decision:
     if not plan.hot and all(_run(cluster, m).gen == plan.gen and _run(cluster, m).runtime for m in plan.members):
         return Decision(Action.AMEND, f"generation {plan.gen} runs the tmrun runtime: standbys shadow-train, "
                         "swaps need no restart", members=plan.members, out=plan.out, restarts=plan.restarts,
-                        in_place_restarts=plan.in_place_restarts, kind="hot", hot=True, mode=plan.mode)
+                        in_place_restarts=plan.in_place_restarts, hot_swaps=plan.hot_swaps, kind="hot", hot=True,
+                        mode=plan.mode)
     growth = [n for n in _pool(cluster, plan) if not cluster.nodes[n].standby_hint]
     if len(plan.members) < limits.max_nodes and growth:
         joiners = tuple(growth[: limits.max_nodes - len(plan.members)])
         return Decision(Action.START, f"scale-up: {', '.join(joiners)} join", members=plan.members + joiners,
                         out=plan.out, restarts=plan.restarts, in_place_restarts=plan.in_place_restarts,
-                        kind="scale-up", hot=plan.hot)
+                        hot_swaps=plan.hot_swaps, kind="scale-up", hot=plan.hot)
     return Decision(Action.WAIT, f"generation {plan.gen} is running")
 
 
@@ -291,7 +293,8 @@ def _replace(cluster: Cluster, plan: Plan, limits: Limits, clock: Clock,
     joiners = tuple(m for m in members if m not in plan.members) if swap else ()
     reported = [_run(cluster, c).at for c in culprits if c not in lost and _run(cluster, c).at]
     return Decision(Action.START, "; ".join(notes) + (" (hot swap)" if swap else ""), members=tuple(members),
-                    out=out, restarts=plan.restarts + 1, in_place_restarts=in_place_restarts, kind="failure",
+                    out=out, restarts=plan.restarts + (0 if swap else 1), in_place_restarts=in_place_restarts,
+                    hot_swaps=plan.hot_swaps + (1 if swap else 0), kind="failure",
                     hot=plan.hot, mode="swap-now" if swap else "restart", joiners=joiners,
                     requested=min(reported) if reported else 0.0)
 
@@ -326,14 +329,15 @@ def _on_request(cluster: Cluster, plan: Plan, limits: Limits, request: Request) 
             else {}
         return Decision(Action.START, text, members=tuple(members), out={**plan.out, node: leaving},
                         answers=(Answer(request.id, "accepted", text),), kind="drain", hot=plan.hot, mode=mode,
-                        joiners=(pool[0],) if mode != "restart" else (), handover=handover, **keep)
+                        joiners=(pool[0],) if mode != "restart" else (), handover=handover,
+                        hot_swaps=plan.hot_swaps + (1 if mode == "swap-agreed" else 0), **keep)
     if node in cluster.nodes:
         if request.rejoin:
             return _answer(request, "done", f"{node} is a standby already")
         text = f"drain {node}: it was a standby and leaves the pool"
         return Decision(Action.AMEND, text, members=plan.members, out={**plan.out, node: "drained"},
                         answers=(Answer(request.id, "accepted", text),), kind="drain", hot=plan.hot,
-                        mode=plan.mode, joiners=plan.joiners, **keep)
+                        mode=plan.mode, joiners=plan.joiners, hot_swaps=plan.hot_swaps, **keep)
     return _answer(request, "rejected", f"unknown node {node!r}")
 
 

@@ -73,6 +73,7 @@ class Case:
     out: dict[str, str] | None = None
     restarts: int | None = None
     in_place_restarts: int | None = None
+    hot_swaps: int | None = None
     outcome: str | None = None
     until: float | None = None
     answers: tuple[str, ...] | None = None  # the answers' states, in order
@@ -89,6 +90,8 @@ def check(case: Case, got: Decision) -> None:
         assert got.restarts == case.restarts, got.reason
     if case.in_place_restarts is not None:
         assert got.in_place_restarts == case.in_place_restarts, got.reason
+    if case.hot_swaps is not None:
+        assert got.hot_swaps == case.hot_swaps, got.reason
     if case.outcome is not None:
         assert got.outcome == case.outcome, got.reason
     if case.until is not None:
@@ -482,6 +485,38 @@ def hot_plan(members: tuple[str, ...], gen: int = 1, **kw: Any) -> Plan:
 
 def switched(view: NodeView, gen: int) -> NodeView:
     return dataclasses.replace(view, run=dataclasses.replace(view.run, last_swap={"gen": gen, "step": 10}))
+
+
+SWAPPED_ONCE = dict(restarts=1, in_place_restarts=1, hot_swaps=1)
+
+HOT_COUNTS = [
+    Case("a-hot-swap-after-a-failure-is-not-a-restart",
+         cluster(running("a", 1), failed("b", 2, -9), node("s", 3, state="shadow"),
+                 plan=hot_plan(("a", "b"), **SWAPPED_ONCE)),
+         dataclasses.replace(FIXED2, max_restarts=1), T0, Action.START, members=("a", "s"), restarts=1,
+         in_place_restarts=1, hot_swaps=2),
+    Case("a-hot-swap-after-a-drain-is-counted-as-a-hot-swap",
+         cluster(running("a", 1), running("b", 2), node("s", 3, state="shadow"),
+                 plan=hot_plan(("a", "b"), **SWAPPED_ONCE), requests=(drain("b"),)),
+         dataclasses.replace(FIXED2, max_restarts=1), T0, Action.START, members=("a", "s"), restarts=1,
+         hot_swaps=2),
+    Case("a-hot-job-without-standby-restarts-in-place-and-counts-a-restart",
+         cluster(running("a", 1), failed("b", 2, -9), plan=hot_plan(("a", "b"), hot_swaps=1)),
+         dataclasses.replace(FIXED2, max_restarts=1), T0, Action.START, members=("a", "b"), restarts=1,
+         in_place_restarts=1, hot_swaps=1),
+    Case("amend-and-scale-up-keep-the-counts",
+         cluster(running("a", 1), node("s", 2), plan=dataclasses.replace(plan(("a",)), **SWAPPED_ONCE)),
+         dataclasses.replace(ELASTIC_1_2, max_restarts=1), T0, Action.START, members=("a", "s"), restarts=1,
+         hot_swaps=1),
+    Case("a-restart-mode-swap-with-a-standby-is-a-restart",
+         cluster(running("a", 1), failed("b", 2, -9), node("s", 3), plan=AB), FIXED2, T0, Action.START,
+         members=("a", "s"), restarts=1, hot_swaps=0),
+]
+
+
+@pytest.mark.parametrize("case", HOT_COUNTS, ids=[c.id for c in HOT_COUNTS])
+def test_hot_swaps_and_restarts_are_counted_apart(case: Case) -> None:
+    check(case, decide(case.cluster, case.limits, case.clock))
 
 
 def test_planned_drain_pairs_the_leaver_with_the_joiner_for_a_handover() -> None:
