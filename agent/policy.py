@@ -11,6 +11,9 @@ Which node takes which place (the rank policy)::
                 ^ fails
     [node-0, node-3, node-2]          [node-4]          out: {node-1: failed}
 
+- The first generation ranks its nodes by name (natural order: ``node-0`` rank 0, ``node-2``
+  before ``node-10``), whatever order they joined in; later generations keep every healthy
+  node's place.
 - A standby takes the lost node's place, at the same index: healthy nodes never move.
 - No standby left: an elastic job (``--nnodes MIN:MAX``) shrinks while it stays at MIN or above;
   otherwise the node restarts in place, at most ``--max-restarts`` times for the whole job.
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 from typing import Mapping
 
 from agent.records import Plan, Request, RunState
@@ -207,8 +211,15 @@ def _rendezvous(cluster: Cluster, limits: Limits, clock: Clock) -> Decision:
                     until=until)
 
 
-def _first(members: tuple[str, ...]) -> Decision:
+def _first(chosen: tuple[str, ...]) -> Decision:
+    """The first generation: chosen in join order, ranked by name (node-0 rank 0, node-2 before node-10)."""
+    members = tuple(sorted(chosen, key=_name_order))
     return Decision(Action.START, f"{len(members)} nodes joined", members=members, kind="start")
+
+
+def _name_order(name: str) -> list[str | int]:
+    """Natural order of node names: digit runs compare as numbers."""
+    return [int(part) if index % 2 else part for index, part in enumerate(re.split(r"(\d+)", name))]
 
 
 def _end_race(plan: Plan, holders: list[str]) -> Decision:

@@ -213,7 +213,8 @@ def test_a_worker_failing_after_the_last_step_fails_the_job(jobs, tmp_path):
     ref = job_ref(job)
     ready = wait_status(ref, lambda d: d["hot_swap"] and any(n["state"] == "shadow" for n in d["nodes"]), 90)
     job.track()
-    rank0 = next(n["node"] for n in ready["nodes"] if n["ranks"] == [0])
+    ranks = {n["node"]: n["ranks"] for n in ready["nodes"]}
+    assert ranks == {"node-0": [0], "node-1": [1], "node-2": []}, ranks  # ranks follow node order
     with open(gate, "w"):  # rank 0 waits in its last step until this opens the FIFO
         pass
     assert job.wait(120) == 1, job.err.text()[-4000:]
@@ -221,4 +222,4 @@ def test_a_worker_failing_after_the_last_step_fails_the_job(jobs, tmp_path):
     assert "OSError: [Errno 28] No space left on device: 'final.pt'" in err, err[-4000:]
     ended = re.search(r"tmrun: job \S+ (succeeded|failed): (.*)", err)
     assert ended and ended[1] == "failed", err[-4000:]
-    assert f"{rank0} worker rank 0 exited with code 1" in ended[2], ended[0]
+    assert "node-0 worker rank 0 exited with code 1" in ended[2], ended[0]

@@ -68,7 +68,7 @@ NO_EFFECT = {
     "duplicate_stdout_filters": "not implemented",
     "duplicate_stderr_filters": "not implemented",
     "virtual_local_rank": "not implemented",
-    "node_rank": "node ranks come from the order in which nodes join",
+    "node_rank": "node ranks follow the node names in the first generation (node-0 rank 0)",
     "master_addr": "the leader agent hosts the store; MASTER_ADDR is set for workers",
     "master_port": "the leader agent hosts the store; MASTER_PORT is set for workers",
     "monitor_interval": "worker exits are seen at once",
