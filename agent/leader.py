@@ -173,7 +173,7 @@ class Leader:
                             decision.restarts, decision.in_place_restarts, out, self._wall(),
                             decision.hot, decision.mode, decision.joiners, dict(decision.handover),
                             decision.requested or (plan.requested if plan and decision.action is Action.AMEND
-                                                   else self._wall()))
+                                                   else self._wall()), decision.hot_swaps)
             written = await self._store.replace(self._keys.plan, new_plan.to_dict(),
                                                 mod_revision=plan_entry.mod_revision if plan_entry else 0)
             if not written:

@@ -306,6 +306,7 @@ class NodeAgent:
 
     def _prepare(self, plan: Plan) -> None:
         offset = plan.rank_offset(self.cfg.node)
+        self._group.renumber(offset)  # a promoted standby's placeholder ranks become its real ones
         mode = "now" if plan.mode == "swap-now" else "agreed"
         handover = self.cfg.node in plan.handover.values() and self._shadow
         self._prepared_at[plan.gen] = time.time()

@@ -55,10 +55,12 @@ class OutputRouter:
         self._tee = parse_std_spec(tee, "--tee")
         self._filter = set(local_ranks_filter)
         self._console = {STDOUT: console_out or sys.stdout.buffer, STDERR: console_err or sys.stderr.buffer}
+        self._ranks: dict[int, int] = {}  # local rank -> the global rank its lines are prefixed with
 
     def attach(self, proc: asyncio.subprocess.Process, local_rank: int, rank: int) -> list[asyncio.Task]:
-        return [asyncio.ensure_future(self._pump(proc.stdout, STDOUT, local_rank, rank)),
-                asyncio.ensure_future(self._pump(proc.stderr, STDERR, local_rank, rank))]
+        self._ranks[local_rank] = rank
+        return [asyncio.ensure_future(self._pump(proc.stdout, STDOUT, local_rank)),
+                asyncio.ensure_future(self._pump(proc.stderr, STDERR, local_rank))]
 
     def _targets(self, stream: int, local_rank: int) -> tuple[bool, Path | None]:
         redirected = bool(_lookup(self._redirects, local_rank) & stream)
@@ -70,11 +72,18 @@ class OutputRouter:
             path = self._log_dir / str(local_rank) / name
         return to_console, path
 
-    async def _pump(self, reader: asyncio.StreamReader | None, stream: int, local_rank: int, rank: int) -> None:
+    def set_rank(self, local_rank: int, rank: int) -> None:
+        """A worker's rank changed (a promoted standby's placeholder became its real rank): its
+        next lines carry the new one."""
+        self._ranks[local_rank] = rank
+
+    def _prefix(self, local_rank: int) -> bytes:
+        return f"[{self._node} r{self._ranks[local_rank]}]: ".encode()
+
+    async def _pump(self, reader: asyncio.StreamReader | None, stream: int, local_rank: int) -> None:
         if reader is None:
             return
         to_console, path = self._targets(stream, local_rank)
-        prefix = f"[{self._node} r{rank}]: ".encode()
         file = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -89,6 +98,7 @@ class OutputRouter:
                 if not line:
                     break
                 if to_console:
+                    prefix = self._prefix(local_rank)
                     console.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
                     console.flush()
                 if file is not None:

@@ -11,6 +11,9 @@ Which node takes which place (the rank policy)::
                 ^ fails
     [node-0, node-3, node-2]          [node-4]          out: {node-1: failed}
 
+- The first generation ranks its nodes by name (natural order: ``node-0`` rank 0, ``node-2``
+  before ``node-10``), whatever order they joined in; later generations keep every healthy
+  node's place.
 - A standby takes the lost node's place, at the same index: healthy nodes never move.
 - No standby left: an elastic job (``--nnodes MIN:MAX``) shrinks while it stays at MIN or above;
   otherwise the node restarts in place, at most ``--max-restarts`` times for the whole job.
@@ -26,12 +29,21 @@ Which node is to blame (the culprit rule): a failure in one place usually makes 
 collective fail a moment later, so a plain non-zero exit is ambiguous. A lost lease or a worker
 killed by a signal is taken as the cause at once; otherwise the leader waits ``failure_window``
 seconds for such a clearer cause and then blames the node that reported first.
+
+The end of the job: it succeeds when every member's workers exited 0 in the current generation.
+A worker that fails after the job's last step (in the script's epilogue: a final save, a last
+print) fails the job unless a swap or restart then completes the same work. In a hot job, once a
+member has finished, no swap can (the state holders are gone): the job fails at once, naming the
+worker's rank and exit code. A restart (a torchrun script) reruns the script as usual. A swap
+that replaced a failed node and that nobody switched into before the holders finished leaves the
+failure standing; one that replaced a drained node does not (the leaver ran the last steps).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 from typing import Mapping
 
 from agent.records import Plan, Request, RunState
@@ -102,8 +114,9 @@ class Decision:
     reason: str
     members: tuple[str, ...] = ()
     out: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    restarts: int = 0
+    restarts: int = 0  # generations that restarted workers because of a failure
     in_place_restarts: int = 0
+    hot_swaps: int = 0  # generations reached by a hot swap (a failure or a drain; nobody restarted)
     outcome: str = ""
     answers: tuple[Answer, ...] = ()
     until: float | None = None
@@ -145,9 +158,8 @@ def decide(cluster: Cluster, limits: Limits, clock: Clock) -> Decision:
     holders = [m for m in plan.members if m not in plan.joiners]
     if plan.joiners and holders and all(_run(cluster, m).gen == plan.gen and _run(cluster, m).state == "succeeded"
                                         for m in holders) \
-            and not any(_run(cluster, j).last_swap.get("gen") == plan.gen for j in plan.joiners):
-        return Decision(Action.FINISH, f"the job's last step ran before {', '.join(plan.joiners)} could switch in: "
-                        f"all {len(holders)} nodes holding the state finished", outcome="succeeded", kind="succeeded")
+            and not any(_run(cluster, m).last_swap.get("gen") == plan.gen for m in plan.members):
+        return _end_race(plan, holders)
     failure = _on_failure(cluster, plan, limits, clock)
     if failure is not None:
         return failure
@@ -159,13 +171,14 @@ def decide(cluster: Cluster, limits: Limits, clock: Clock) -> Decision:
     if not plan.hot and all(_run(cluster, m).gen == plan.gen and _run(cluster, m).runtime for m in plan.members):
         return Decision(Action.AMEND, f"generation {plan.gen} runs the tmrun runtime: standbys shadow-train, "
                         "swaps need no restart", members=plan.members, out=plan.out, restarts=plan.restarts,
-                        in_place_restarts=plan.in_place_restarts, kind="hot", hot=True, mode=plan.mode)
+                        in_place_restarts=plan.in_place_restarts, hot_swaps=plan.hot_swaps, kind="hot", hot=True,
+                        mode=plan.mode)
     growth = [n for n in _pool(cluster, plan) if not cluster.nodes[n].standby_hint]
     if len(plan.members) < limits.max_nodes and growth:
         joiners = tuple(growth[: limits.max_nodes - len(plan.members)])
         return Decision(Action.START, f"scale-up: {', '.join(joiners)} join", members=plan.members + joiners,
                         out=plan.out, restarts=plan.restarts, in_place_restarts=plan.in_place_restarts,
-                        kind="scale-up", hot=plan.hot)
+                        hot_swaps=plan.hot_swaps, kind="scale-up", hot=plan.hot)
     return Decision(Action.WAIT, f"generation {plan.gen} is running")
 
 
@@ -198,8 +211,30 @@ def _rendezvous(cluster: Cluster, limits: Limits, clock: Clock) -> Decision:
                     until=until)
 
 
-def _first(members: tuple[str, ...]) -> Decision:
+def _first(chosen: tuple[str, ...]) -> Decision:
+    """The first generation: chosen in join order, ranked by name (node-0 rank 0, node-2 before node-10)."""
+    members = tuple(sorted(chosen, key=_name_order))
     return Decision(Action.START, f"{len(members)} nodes joined", members=members, kind="start")
+
+
+def _name_order(name: str) -> list[str | int]:
+    """Natural order of node names: digit runs compare as numbers."""
+    return [int(part) if index % 2 else part for index, part in enumerate(re.split(r"(\d+)", name))]
+
+
+def _end_race(plan: Plan, holders: list[str]) -> Decision:
+    """Every node holding the state finished before the joiners could switch in (nobody switched).
+
+    After a drain (``swap-agreed``) the leaver ran the last steps itself: the work is done. After a
+    failure (``swap-now``) the swap was to redo the failed node's work, and nobody did: the failure
+    stands (its worker's rank and exit code are in the plan's reason).
+    """
+    late = f"the job's last step ran before {', '.join(plan.joiners)} could switch in"
+    if plan.mode == "swap-now":
+        return Decision(Action.FINISH, f"{plan.reason}, but {late}: the failed node's work was not redone",
+                        outcome="failed", kind="failed")
+    return Decision(Action.FINISH, f"{late}: all {len(holders)} nodes holding the state finished",
+                    outcome="succeeded", kind="succeeded")
 
 
 def _on_failure(cluster: Cluster, plan: Plan, limits: Limits, clock: Clock) -> Decision | None:
@@ -211,13 +246,21 @@ def _on_failure(cluster: Cluster, plan: Plan, limits: Limits, clock: Clock) -> D
     if lost and not failed and clock.now < clock.settled_at:
         return Decision(Action.WAIT, f"generation {plan.gen}: no key for {', '.join(lost)}; etcd was away, "
                         "waiting for its agent to register again", until=clock.settled_at)
+    finished = [m for m in plan.members if _run(cluster, m).gen == plan.gen and _run(cluster, m).state == "succeeded"]
+    if plan.hot and finished:
+        # A step commits only when every rank votes for it, so a member that succeeded means the
+        # last step was committed everywhere: this failure came after it (a final save, a last
+        # print). The state holders' workers are gone, so no swap can redo it.
+        what = "; ".join(f"{m} {'was lost' if m in lost else _describe(cluster, m)}" for m in lost + failed)
+        return Decision(Action.FINISH, f"{what} after the job's last step ({', '.join(finished)} finished it)",
+                        outcome="failed", kind="failed")
     if lost or killed:
         culprits = lost + killed
     else:
         since = clock.failure_since if clock.failure_since is not None else clock.now
         deadline = since + limits.failure_window
         if len(failed) < len(plan.members) and clock.now < deadline:
-            return Decision(Action.WAIT, f"generation {plan.gen}: {_describe(cluster, failed[0])}; "
+            return Decision(Action.WAIT, f"generation {plan.gen}: {failed[0]} {_describe(cluster, failed[0])}; "
                             "waiting for a clearer cause", until=deadline)
         culprits = [min(failed, key=lambda m: cluster.nodes[m].report_revision)]
     return _replace(cluster, plan, limits, clock, culprits, lost)
@@ -261,7 +304,8 @@ def _replace(cluster: Cluster, plan: Plan, limits: Limits, clock: Clock,
     joiners = tuple(m for m in members if m not in plan.members) if swap else ()
     reported = [_run(cluster, c).at for c in culprits if c not in lost and _run(cluster, c).at]
     return Decision(Action.START, "; ".join(notes) + (" (hot swap)" if swap else ""), members=tuple(members),
-                    out=out, restarts=plan.restarts + 1, in_place_restarts=in_place_restarts, kind="failure",
+                    out=out, restarts=plan.restarts + (0 if swap else 1), in_place_restarts=in_place_restarts,
+                    hot_swaps=plan.hot_swaps + (1 if swap else 0), kind="failure",
                     hot=plan.hot, mode="swap-now" if swap else "restart", joiners=joiners,
                     requested=min(reported) if reported else 0.0)
 
@@ -296,14 +340,15 @@ def _on_request(cluster: Cluster, plan: Plan, limits: Limits, request: Request) 
             else {}
         return Decision(Action.START, text, members=tuple(members), out={**plan.out, node: leaving},
                         answers=(Answer(request.id, "accepted", text),), kind="drain", hot=plan.hot, mode=mode,
-                        joiners=(pool[0],) if mode != "restart" else (), handover=handover, **keep)
+                        joiners=(pool[0],) if mode != "restart" else (), handover=handover,
+                        hot_swaps=plan.hot_swaps + (1 if mode == "swap-agreed" else 0), **keep)
     if node in cluster.nodes:
         if request.rejoin:
             return _answer(request, "done", f"{node} is a standby already")
         text = f"drain {node}: it was a standby and leaves the pool"
         return Decision(Action.AMEND, text, members=plan.members, out={**plan.out, node: "drained"},
                         answers=(Answer(request.id, "accepted", text),), kind="drain", hot=plan.hot,
-                        mode=plan.mode, joiners=plan.joiners, **keep)
+                        mode=plan.mode, joiners=plan.joiners, hot_swaps=plan.hot_swaps, **keep)
     return _answer(request, "rejected", f"unknown node {node!r}")
 
 
@@ -338,7 +383,8 @@ def _failed(cluster: Cluster, plan: Plan) -> list[str]:
 
 
 def _describe(cluster: Cluster, node: str) -> str:
-    code = _run(cluster, node).exitcode
-    if code is not None and code < 0:
-        return f"worker killed by signal {-code}"
-    return f"worker exited with code {code}"
+    run = _run(cluster, node)
+    worker = "worker" if run.rank is None else f"worker rank {run.rank}"
+    if run.exitcode is not None and run.exitcode < 0:
+        return f"{worker} killed by signal {-run.exitcode}"
+    return f"{worker} exited with code {run.exitcode}"

@@ -89,8 +89,10 @@ class Plan(Record):
     ``restart`` (new workers everywhere), ``swap-agreed`` (a planned swap: the running workers
     build the group in the background and switch at a step boundary they vote for) or
     ``swap-now`` (a failure: the survivors switch as soon as the group is built).
-    ``restarts`` counts generations started because of a failure; ``in_place_restarts`` the
-    subset that restarted on the same nodes for lack of a standby (bounded by --max-restarts).
+    ``restarts`` counts generations that restarted workers because of a failure;
+    ``in_place_restarts`` the subset that restarted on the same nodes for lack of a standby
+    (bounded by --max-restarts). ``hot_swaps`` counts generations reached by a hot swap (a failure
+    or a drain that a standby filled without restarting anyone); they are not restarts.
     """
 
     gen: int
@@ -109,6 +111,7 @@ class Plan(Record):
     joiners: tuple[str, ...] = ()  # members that join this generation by a swap
     handover: dict[str, str] = dataclasses.field(default_factory=dict)  # leaver -> the joiner it hands over to
     requested: float = 0.0  # wall time of the request or failure report that led to this generation
+    hot_swaps: int = 0
 
     @property
     def world_size(self) -> int:

@@ -59,6 +59,7 @@ class WorkerGroup:
 
     def __init__(self, launches: Sequence[WorkerLaunch], output: OutputRouter, grace: float) -> None:
         self._launches = list(launches)
+        self._ranks = [launch.rank for launch in self._launches]  # global ranks now (renumber)
         self._output = output
         self._grace = grace
         self._procs: list[asyncio.subprocess.Process] = []
@@ -80,17 +81,24 @@ class WorkerGroup:
             self._procs.append(proc)
             self._pumps += self._output.attach(proc, launch.local_rank, launch.rank)
 
+    def renumber(self, first_rank: int) -> None:
+        """The workers now hold ranks ``first_rank + local_rank`` (a standby promoted without a
+        restart): output prefixes and a failure's rank say so from now on."""
+        for index, launch in enumerate(self._launches):
+            self._ranks[index] = first_rank + launch.local_rank
+            self._output.set_rank(launch.local_rank, self._ranks[index])
+
     async def wait(self) -> GroupResult:
         """Wait until every worker exited, or one failed (then stop the rest)."""
-        pending = {asyncio.ensure_future(p.wait()): (p, l) for p, l in zip(self._procs, self._launches)}
+        pending = {asyncio.ensure_future(p.wait()): index for index, p in enumerate(self._procs)}
         failure: GroupResult | None = None
         while pending:
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
-                proc, launch = pending.pop(task)
+                index = pending.pop(task)
                 code = task.result()
                 if code != 0 and failure is None and not self._stopping:
-                    failure = GroupResult("failed", code, launch.rank)
+                    failure = GroupResult("failed", code, self._ranks[index])
             if failure is not None and pending:
                 await self.stop()
                 await asyncio.gather(*pending)

@@ -65,7 +65,7 @@ def test_kill_worker_standby_takes_over(jobs, tmp_path, reference):
     assert roles(after)[victim["node"]] == "failed"
     assert roles(after)[standby] == "active"
     assert next(r for r in after["nodes"] if r["node"] == standby)["ranks"] == [1]  # it took rank 1's place
-    assert after["restarts"] == 1
+    assert after["restarts"] == 1 and after["hot_swaps"] == 0  # a restart, not a hot swap
     assert next(r for r in after["nodes"] if r["node"] == survivor["node"])["agent_pid"] == survivor["agent_pid"]
     job.track()
 

@@ -223,7 +223,7 @@ def test_kill_9_of_a_worker_swaps_in_the_standby(slurm, gpt_reference):
     after = wait_status(ref, lambda d: d["generation"] >= 2 and d["state"] == "running"
                         and all(n["state"] == "running" for n in d["nodes"] if n["role"] == "active"), 120)
     assert {n["node"] for n in after["nodes"] if n["role"] == "active"} == set(before) - {victim["node"]} | {standby}
-    assert after["mode"] == "swap-now" and after["restarts"] == 1, after
+    assert after["mode"] == "swap-now" and after["restarts"] == 0 and after["hot_swaps"] == 1, after
     check_gpt_job(slurm, job_id, workdir, gpt_reference, before, after, victim["node"])
 
 
@@ -234,7 +234,7 @@ def test_slurm_drain_and_the_health_check_swap_the_node_out(slurm, gpt_reference
     slurm.drain(victim, "gpu check failed")  # what an administrator or a site check does
     after = wait_status(ref, lambda d: d["generation"] >= 2 and any(n["node"] == victim and n["role"] == "drained"
                                                                      for n in d["nodes"]), 120)
-    assert after["mode"] == "swap-agreed" and after["restarts"] == 0, after
+    assert after["mode"] == "swap-agreed" and after["restarts"] == 0 and after["hot_swaps"] == 1, after
     wait_for(lambda: f"{victim}: unwell, draining" in slurm.output(job_id), 30, "the health check's line")
     assert f"drain {victim}" in slurm.output(job_id)
     check_gpt_job(slurm, job_id, workdir, gpt_reference, workers(doc), after, victim)

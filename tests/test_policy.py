@@ -26,9 +26,9 @@ SLOTS = 2
 
 
 def node(name: str, order: int, *, hint: bool = False, gen: int = 0, state: str = "idle",
-         code: int | None = None, rev: int | None = None) -> NodeView:
+         code: int | None = None, rev: int | None = None, rank: int | None = None) -> NodeView:
     """A live node; ``rev`` (when it last reported) defaults to its join order."""
-    return NodeView(name, order, SLOTS, hint, RunState(gen=gen, state=state, exitcode=code),
+    return NodeView(name, order, SLOTS, hint, RunState(gen=gen, state=state, exitcode=code, rank=rank),
                     order if rev is None else rev)
 
 
@@ -73,6 +73,7 @@ class Case:
     out: dict[str, str] | None = None
     restarts: int | None = None
     in_place_restarts: int | None = None
+    hot_swaps: int | None = None
     outcome: str | None = None
     until: float | None = None
     answers: tuple[str, ...] | None = None  # the answers' states, in order
@@ -89,6 +90,8 @@ def check(case: Case, got: Decision) -> None:
         assert got.restarts == case.restarts, got.reason
     if case.in_place_restarts is not None:
         assert got.in_place_restarts == case.in_place_restarts, got.reason
+    if case.hot_swaps is not None:
+        assert got.hot_swaps == case.hot_swaps, got.reason
     if case.outcome is not None:
         assert got.outcome == case.outcome, got.reason
     if case.until is not None:
@@ -112,6 +115,13 @@ RENDEZVOUS = [
          members=("a", "b"), out={}, restarts=0),
     Case("starts-with-the-first-max-regular-in-join-order",
          cluster(node("c", 3), node("a", 1), node("b", 2)), FIXED2, T0, Action.START, members=("a", "b")),
+    Case("first-generation-ranks-follow-node-names-not-join-order",
+         cluster(node("node-1", 1), node("node-0", 2)), FIXED2, T0, Action.START, members=("node-0", "node-1")),
+    Case("first-generation-names-in-natural-order",
+         cluster(node("node-10", 1), node("node-9", 2), node("node-2", 3)), FIXED3, T0, Action.START,
+         members=("node-2", "node-9", "node-10")),
+    Case("first-generation-chosen-in-join-order-then-ranked-by-name",
+         cluster(node("c", 1), node("b", 2), node("a", 3)), FIXED2, T0, Action.START, members=("b", "c")),
     Case("standby-hint-not-chosen-while-regular-suffice",
          cluster(node("s", 1, hint=True), node("a", 2), node("b", 3)), FIXED2, T0, Action.START,
          members=("a", "b")),
@@ -484,6 +494,38 @@ def switched(view: NodeView, gen: int) -> NodeView:
     return dataclasses.replace(view, run=dataclasses.replace(view.run, last_swap={"gen": gen, "step": 10}))
 
 
+SWAPPED_ONCE = dict(restarts=1, in_place_restarts=1, hot_swaps=1)
+
+HOT_COUNTS = [
+    Case("a-hot-swap-after-a-failure-is-not-a-restart",
+         cluster(running("a", 1), failed("b", 2, -9), node("s", 3, state="shadow"),
+                 plan=hot_plan(("a", "b"), **SWAPPED_ONCE)),
+         dataclasses.replace(FIXED2, max_restarts=1), T0, Action.START, members=("a", "s"), restarts=1,
+         in_place_restarts=1, hot_swaps=2),
+    Case("a-hot-swap-after-a-drain-is-counted-as-a-hot-swap",
+         cluster(running("a", 1), running("b", 2), node("s", 3, state="shadow"),
+                 plan=hot_plan(("a", "b"), **SWAPPED_ONCE), requests=(drain("b"),)),
+         dataclasses.replace(FIXED2, max_restarts=1), T0, Action.START, members=("a", "s"), restarts=1,
+         hot_swaps=2),
+    Case("a-hot-job-without-standby-restarts-in-place-and-counts-a-restart",
+         cluster(running("a", 1), failed("b", 2, -9), plan=hot_plan(("a", "b"), hot_swaps=1)),
+         dataclasses.replace(FIXED2, max_restarts=1), T0, Action.START, members=("a", "b"), restarts=1,
+         in_place_restarts=1, hot_swaps=1),
+    Case("amend-and-scale-up-keep-the-counts",
+         cluster(running("a", 1), node("s", 2), plan=dataclasses.replace(plan(("a",)), **SWAPPED_ONCE)),
+         dataclasses.replace(ELASTIC_1_2, max_restarts=1), T0, Action.START, members=("a", "s"), restarts=1,
+         hot_swaps=1),
+    Case("a-restart-mode-swap-with-a-standby-is-a-restart",
+         cluster(running("a", 1), failed("b", 2, -9), node("s", 3), plan=AB), FIXED2, T0, Action.START,
+         members=("a", "s"), restarts=1, hot_swaps=0),
+]
+
+
+@pytest.mark.parametrize("case", HOT_COUNTS, ids=[c.id for c in HOT_COUNTS])
+def test_hot_swaps_and_restarts_are_counted_apart(case: Case) -> None:
+    check(case, decide(case.cluster, case.limits, case.clock))
+
+
 def test_planned_drain_pairs_the_leaver_with_the_joiner_for_a_handover() -> None:
     c = cluster(running("a", 1), running("b", 2), node("s", 3, state="shadow"), plan=hot_plan(("a", "b")),
                 requests=(dataclasses.replace(drain("b"), created=12.5),))
@@ -540,3 +582,62 @@ def test_rejoin_of_a_standby_changes_nothing() -> None:
                 requests=(dataclasses.replace(drain("s"), rejoin=True),))
     got = decide(c, FIXED2, T0)
     assert got.action is Action.ANSWER and got.answers[0].state == "done" and "standby already" in got.answers[0].text
+
+
+# -- the end of the job: a failure after the last step is the job's failure --------------------
+
+
+def succeeded(name: str, order: int, gen: int = 1, **kw: Any) -> NodeView:
+    return node(name, order, gen=gen, state="succeeded", code=0, **kw)
+
+
+SWAP_AFTER_FAILURE = hot_plan(("s", "b"), gen=2, mode="swap-now", joiners=("s",), out={"a": "failed"},
+                              reason="a worker rank 0 exited with code 1; s takes its place (hot swap)")
+SWAP_AFTER_DRAIN = hot_plan(("s", "b"), gen=2, mode="swap-agreed", joiners=("s",), out={"a": "drained"},
+                            reason="drain a: s takes its place (hot swap)")
+
+END = [
+    Case("hot-failure-after-a-member-finished-fails-at-once",
+         cluster(failed("a", 1, 1, rank=0), succeeded("b", 2), node("s", 3, state="shadow"), plan=hot_plan(("a", "b"))),
+         FIXED2, T0, Action.FINISH, outcome="failed",
+         reason_has=("a worker rank 0 exited with code 1 after the job's last step", "b finished it")),
+    Case("hot-kill-after-a-member-finished-fails",
+         cluster(failed("a", 1, -9, rank=0), succeeded("b", 2), node("s", 3, state="shadow"), plan=hot_plan(("a", "b"))),
+         FIXED2, T0, Action.FINISH, outcome="failed", reason_has=("a worker rank 0 killed by signal 9",)),
+    Case("hot-lost-after-a-member-finished-fails",
+         cluster(succeeded("b", 2), node("s", 3, state="shadow"), plan=hot_plan(("a", "b"))),
+         FIXED2, T0, Action.FINISH, outcome="failed", reason_has=("a was lost after the job's last step",)),
+    Case("hot-failure-while-the-others-still-run-waits-for-a-clearer-cause",
+         cluster(failed("a", 1, 1, rank=0), running("b", 2), node("s", 3, state="shadow"), plan=hot_plan(("a", "b"))),
+         FIXED2, Clock(now=1.0, failure_since=1.0), Action.WAIT, until=7.0,
+         reason_has=("a worker rank 0 exited with code 1",)),
+    Case("restart-mode-failure-after-a-member-finished-restarts-with-the-standby",
+         cluster(failed("a", 1, 1, rank=0), succeeded("b", 2), node("s", 3), plan=AB),
+         FIXED2, Clock(now=10.0, failure_since=1.0), Action.START, members=("s", "b"), out={"a": "failed"}),
+    Case("restart-mode-failure-after-a-member-finished-without-restarts-fails",
+         cluster(failed("a", 1, 1, rank=0), succeeded("b", 2), plan=AB),
+         FIXED2, Clock(now=10.0, failure_since=1.0), Action.FINISH, outcome="failed",
+         reason_has=("a worker rank 0 exited with code 1", "--max-restarts 0")),
+    Case("swap-after-a-failure-that-nobody-switched-into-fails",
+         cluster(succeeded("b", 2, gen=2), running("s", 3, gen=2), node("a", 1, gen=2), plan=SWAP_AFTER_FAILURE),
+         FIXED2, T0, Action.FINISH, outcome="failed",
+         reason_has=("a worker rank 0 exited with code 1", "before s could switch in", "not redone")),
+    Case("swap-after-a-drain-that-nobody-switched-into-succeeds",
+         cluster(succeeded("b", 2, gen=2), running("s", 3, gen=2), plan=SWAP_AFTER_DRAIN),
+         FIXED2, T0, Action.FINISH, outcome="succeeded", reason_has=("before s could switch in",)),
+    Case("a-holder-switched-in-so-the-joiner-did-too-wait-for-it",
+         cluster(switched(succeeded("b", 2, gen=2), 2), running("s", 3, gen=2), plan=SWAP_AFTER_FAILURE),
+         FIXED2, T0, Action.WAIT),
+    Case("the-joiner-redid-the-work-and-finished-succeeds",
+         cluster(switched(succeeded("b", 2, gen=2), 2), switched(succeeded("s", 3, gen=2), 2), plan=SWAP_AFTER_FAILURE),
+         FIXED2, T0, Action.FINISH, outcome="succeeded"),
+    Case("the-joiner-failed-after-the-last-step-fails",
+         cluster(switched(succeeded("b", 2, gen=2), 2), switched(failed("s", 3, 1, gen=2, rank=0), 2),
+                 plan=SWAP_AFTER_FAILURE),
+         FIXED2, T0, Action.FINISH, outcome="failed", reason_has=("s worker rank 0 exited with code 1",)),
+]
+
+
+@pytest.mark.parametrize("case", END, ids=[c.id for c in END])
+def test_end_of_the_job(case: Case) -> None:
+    check(case, decide(case.cluster, case.limits, case.clock))

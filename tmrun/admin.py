@@ -55,6 +55,7 @@ async def status(store: Store, job: str) -> dict[str, Any]:
         "world_size": plan.world_size if plan else 0,
         "restarts": plan.restarts if plan else 0,
         "in_place_restarts": plan.in_place_restarts if plan else 0,
+        "hot_swaps": plan.hot_swaps if plan else 0,
         "hot_swap": plan.hot if plan else False,
         "mode": plan.mode if plan else None,
         "standby_pool": sum(1 for row in nodes if row["role"] == "standby"),

@@ -34,7 +34,8 @@ from tmrun.jobs import JobRef, find_job, running_jobs, runtime_dir
 
 EXIT_CODES = {
     0: "success (the job succeeded; a drain completed)",
-    1: "the job failed (a worker failed beyond the standby pool and --max-restarts, or rendezvous timed out)",
+    1: "the job failed (a worker failed beyond the standby pool and --max-restarts, a worker failed after the "
+       "job's last step, or rendezvous timed out)",
     2: "usage error: unknown or malformed flag, missing script, inconsistent values",
     3: "etcd is unreachable (after bounded retries), or stayed unreachable for longer than the outage bound "
        "while the job ran (the workers were stopped cleanly)",
@@ -67,7 +68,7 @@ NO_EFFECT = {
     "duplicate_stdout_filters": "not implemented",
     "duplicate_stderr_filters": "not implemented",
     "virtual_local_rank": "not implemented",
-    "node_rank": "node ranks come from the order in which nodes join",
+    "node_rank": "node ranks follow the node names in the first generation (node-0 rank 0)",
     "master_addr": "the leader agent hosts the store; MASTER_ADDR is set for workers",
     "master_port": "the leader agent hosts the store; MASTER_PORT is set for workers",
     "monitor_interval": "worker exits are seen at once",

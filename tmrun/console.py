@@ -43,8 +43,9 @@ _ROLE_STYLE = {"active": "green", "standby": "cyan", "draining": "yellow", "drai
 def print_status(doc: dict[str, Any]) -> None:
     outcome = doc.get("outcome") or {}
     headline = (f"job [bold]{doc['job']}[/] · {doc['state']} · generation {doc['generation']} · "
-                f"world size {doc['world_size']} · restarts {doc['restarts']} · leader {doc['leader'] or '-'} · "
-                f"standby pool {doc['standby_pool']}" + (" · hot swap" if doc.get("hot_swap") else ""))
+                f"world size {doc['world_size']} · restarts {doc['restarts']} · hot swaps {doc['hot_swaps']} · "
+                f"leader {doc['leader'] or '-'} · standby pool {doc['standby_pool']}"
+                + (" · hot swap" if doc.get("hot_swap") else ""))
     _out.print(headline)
     if outcome:
         _out.print(f"outcome: {outcome.get('state')}: {outcome.get('reason')}")
