@@ -66,6 +66,7 @@ class Output:
 
     def __init__(self, stream) -> None:
         self.lines: list[str] = []
+        self.times: list[float] = []  # time.monotonic() when each line arrived
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
@@ -75,6 +76,7 @@ class Output:
         for raw in stream:
             with self._cond:
                 self.lines.append(raw.rstrip("\n"))
+                self.times.append(time.monotonic())
                 self._cond.notify_all()
         with self._cond:
             self._closed = True
@@ -95,6 +97,15 @@ class Output:
                 if self._closed or left <= 0:
                     raise AssertionError(f"no line matching {pattern!r} within {timeout} s:\n" + self.text()[-4000:])
                 self._cond.wait(left)
+
+    def last_time(self, pattern: str) -> float:
+        """When the last line matching ``pattern`` arrived (``time.monotonic()``)."""
+        regex = re.compile(pattern)
+        with self._cond:
+            found = [t for line, t in zip(self.lines, self.times) if regex.search(line)]
+        if not found:
+            raise AssertionError(f"no line matching {pattern!r}:\n" + self.text()[-4000:])
+        return found[-1]
 
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)

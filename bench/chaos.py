@@ -1,0 +1,139 @@
+"""Run many chaos schedules (tests/chaos.py) and write docs/reliability.md.
+
+    python -m bench.chaos --seeds 200            # seeds 0..199
+    python -m bench.chaos --seed 17 --seed 42    # replay chosen seeds
+
+Each seed is one hot-swap job on the local cluster (3 nodes, 2 standbys) with one or two faults;
+each must end with weights bit-identical to an uninterrupted run, every step committed once per
+rank, the untouched ranks' workers unchanged where promised, the job's exit within
+``chaos.END_BOUND`` seconds of its last step, and no process left. The report counts schedules by
+fault kind and lists every failure with its seed, to replay with ``--seed``. Results also go to
+``bench/results/chaos.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+from bench.common import REPO, command_line, machine, save
+from tests import chaos
+from tests.harness import Job
+
+REPORT = REPO / "docs" / "reliability.md"
+
+
+def reference(directory: Path) -> Path:
+    out = directory / "reference.pt"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(chaos.NODES), str(chaos.JOB), str(out), "--steps", str(chaos.STEPS)],
+                          capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise SystemExit(f"the uninterrupted reference run failed:\n{done.stderr[-2000:]}")
+    return out
+
+
+def run_seed(seed: int, root: Path, ref: Path) -> dict:
+    workdir = root / f"seed-{seed}"
+    workdir.mkdir()
+    schedule = chaos.generate(seed)
+    started: list[Job] = []
+
+    def start(args: list[str]) -> Job:
+        started.append(Job(args, cwd=workdir))
+        return started[-1]
+
+    t0 = time.monotonic()
+    row = {"seed": seed, "schedule": schedule.describe(), "kinds": list(schedule.kinds)}
+    try:
+        outcome = chaos.run(schedule, workdir, ref, start)
+        row.update(ok=True, hot=outcome.hot, end_s=round(outcome.end_s, 2))
+    except AssertionError as exc:
+        row.update(ok=False, error=str(exc).splitlines()[0][:300])
+    except Exception as exc:  # the harness itself failed: a failure of this seed, said as such
+        row.update(ok=False, error=f"harness: {exc!r}"[:300], trace=traceback.format_exc()[-2000:])
+    for job in started:
+        job.track()
+        left = chaos.leftovers(job) if job.proc.poll() is not None else [job.proc.pid]
+        job.kill()
+        if left and row["ok"]:
+            row.update(ok=False, error=f"processes left running: {left}")
+        row["left"] = left
+    row["wall_s"] = round(time.monotonic() - t0, 1)
+    print(("ok   " if row["ok"] else "FAIL ") + row["schedule"] + ("" if row["ok"] else f": {row['error']}"),
+          flush=True)
+    return row
+
+
+def report(rows: list[dict], command: str, info: dict) -> str:
+    by_kind: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for row in rows:
+        for kind in set(row["kinds"]):
+            by_kind[kind]["ok" if row["ok"] else "failed"] += 1
+    doubles = [r for r in rows if len(r["kinds"]) == 2]
+    failed = [r for r in rows if not r["ok"]]
+    ends = sorted(r["end_s"] for r in rows if r.get("end_s") is not None)
+    lines = [
+        "# Reliability: random fault schedules",
+        "",
+        "Written by `bench/chaos.py` (schedules from `tests/chaos.py`; a fixed handful also runs in CI,",
+        "`tests/test_chaos.py`). Each schedule is a hot-swap job on the local cluster, 3 nodes and 2",
+        f"standbys, {chaos.STEPS} steps, with one or two faults drawn from its seed. Every schedule must end",
+        "with weights bit-identical to an uninterrupted run, each step committed once per rank, the",
+        "untouched ranks' workers unchanged (one fault, standbys warm), the job's exit within",
+        f"{chaos.END_BOUND:g} s of its last step, and nothing left running.",
+        "",
+        f"Command: `{command}`  ",
+        f"Machine: {info['cpu']}, {info['cores']} cores, {info['memory_gib']} GiB; torch {info['torch']}, "
+        f"commit {info['tmrun_commit']}.",
+        "",
+        f"**{len(rows)} schedules: {len(rows) - len(failed)} passed, {len(failed)} failed.** "
+        f"{len(doubles)} had two faults close together.",
+        "",
+        "| fault kind | schedules | passed | failed |",
+        "|---|---|---|---|",
+    ]
+    for kind in chaos.KINDS:
+        counts = by_kind.get(kind, collections.Counter())
+        lines.append(f"| {kind} | {counts['ok'] + counts['failed']} | {counts['ok']} | {counts['failed']} |")
+    if ends:
+        lines += ["", f"Last committed step → job exit: median {ends[len(ends) // 2]:.1f} s, "
+                  f"max {ends[-1]:.1f} s."]
+    lines += ["", "## Failures", ""]
+    if not failed:
+        lines.append("None.")
+    for row in failed:
+        lines.append(f"- seed {row['seed']} ({row['schedule']}): {row['error']}. "
+                     f"Replay: `python -m bench.chaos --seed {row['seed']}`")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, default=200, help="run seeds 0..N-1")
+    parser.add_argument("--seed", type=int, action="append", help="run this seed (repeatable)")
+    parser.add_argument("--no-report", action="store_true", help="do not rewrite docs/reliability.md")
+    args = parser.parse_args(argv)
+    seeds = args.seed or list(range(args.seeds))
+    info = machine()
+    with tempfile.TemporaryDirectory(prefix="tmrun-chaos-") as tmp:
+        root = Path(tmp)
+        ref = reference(root)
+        rows = [run_seed(seed, root, ref) for seed in seeds]
+    save("chaos", {"rows": rows})
+    if not args.no_report:
+        REPORT.write_text(report(rows, command_line(), info))
+    failed = [r["seed"] for r in rows if not r["ok"]]
+    print(f"{len(rows) - len(failed)} of {len(rows)} schedules passed" + (f"; failed seeds {failed}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
