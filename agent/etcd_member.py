@@ -34,7 +34,7 @@ import tenacity
 from agent.errors import StoreError
 from agent.etcd_cluster import START_TIMEOUT, Layout, MemberView, host_of, next_repair
 from agent.etcd_server import EmbeddedEtcd
-from agent.records import EventRecord, Plan
+from agent.records import EventRecord, MemberAssignment, Plan, parse
 
 log = logging.getLogger("tmrun.etcd")
 
@@ -170,11 +170,11 @@ class MemberHost:
                 await asyncio.gather(self._alive, return_exceptions=True)
 
     async def _follow_assignment(self, store, keys) -> None:
-        entry = await store.get(keys.etcd_member(self.node))
-        if entry is None or entry.value.get("v") != 1 or entry.value.get("at") == self._assignment_at:
+        assignment = parse(MemberAssignment, await store.get(keys.etcd_member(self.node)))
+        if assignment is None or assignment.at == self._assignment_at:
             return
-        self._assignment_at = entry.value.get("at")
-        cluster = {str(k): str(v) for k, v in dict(entry.value.get("cluster", {})).items()}
+        self._assignment_at = assignment.at
+        cluster = assignment.cluster
         if self._alive is not None:
             self._alive.cancel()
             await asyncio.gather(self._alive, return_exceptions=True)
@@ -195,7 +195,9 @@ class MemberHost:
         entries, _ = await store.get_prefix(keys.root)
         if keys.plan not in entries or keys.outcome in entries:
             return  # before the first generation nodes are still arriving; after the end, nothing to keep
-        plan = Plan.from_dict(entries[keys.plan].value)
+        plan = parse(Plan, entries[keys.plan])
+        if plan is None:
+            return
         registered = {keys.relative(k)[len("nodes/"):] for k in entries if keys.relative(k).startswith("nodes/")}
         live = self._live(registered)
         leaving = {node for node, why in plan.out.items() if why == "drained"}
@@ -204,7 +206,8 @@ class MemberHost:
         now = self._wall()
         for key, entry in entries.items():
             rel = keys.relative(key)
-            if rel.startswith("etcd/") and now - float(entry.value.get("at", now)) > START_TIMEOUT \
+            assignment = parse(MemberAssignment, entry) if rel.startswith("etcd/") else None
+            if assignment is not None and now - assignment.at > START_TIMEOUT \
                     and any(v.node == rel[5:] and not v.started for v in views):
                 self._stale.add(rel[5:])
         repair = next_repair(views, live, leaving, self.layout.hosts, self._stale, self.layout.size)
@@ -215,8 +218,7 @@ class MemberHost:
             cluster = {m.name: m.peer_urls[0] for m in members if m.name and m.peer_urls}
             cluster[self.layout.name(repair.node)] = self.layout.peer_url(repair.node)
             await store.add_member(self.layout.peer_url(repair.node))
-            await store.put(keys.etcd_member(repair.node), {"v": 1, "node": repair.node, "cluster": cluster,
-                                                           "at": now})
+            await store.put(keys.etcd_member(repair.node), MemberAssignment(repair.node, cluster, now).to_dict())
         else:
             return
         self._report(f"etcd cluster: {repair.action} a member: {repair.reason}")

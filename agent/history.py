@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 from agent.errors import HistoryError, JobNotFound, StoreError
 from agent.keys import JobKeys
-from agent.records import SCHEMA, EventRecord, Outcome, RecordError
+from agent.records import SCHEMA, EventRecord, Outcome, RecordError, parse
 from agent.store import Entry, Store
 
 log = logging.getLogger("tmrun.history")
@@ -60,13 +60,8 @@ async def read_events(store: Store, job: str) -> list[dict[str, Any]]:
 
 
 def _event_rows(entries: Mapping[str, Entry]) -> list[dict[str, Any]]:
-    rows = []
-    for key in sorted(entries):  # seq: 20-digit nanoseconds, so key order is time order
-        try:
-            rows.append(EventRecord.from_dict(entries[key].value).to_dict())
-        except RecordError:
-            continue
-    return rows
+    found = (parse(EventRecord, entries[key]) for key in sorted(entries))  # seq: nanoseconds, key order is time order
+    return [record.to_dict() for record in found if record is not None]
 
 
 async def save_history(store: Store, job: str, log_root: Path | str) -> Path | None:
@@ -80,13 +75,8 @@ async def save_history(store: Store, job: str, log_root: Path | str) -> Path | N
         log.warning("job %s: history not saved, the store failed: %s", job, exc)
         return None
     rows = _event_rows({k: e for k, e in entries.items() if k.startswith(keys.events)})
-    entry = entries.get(keys.outcome)
-    outcome = None
-    if entry is not None:
-        try:
-            outcome = Outcome.from_dict(entry.value).to_dict()
-        except RecordError:
-            pass
+    found = parse(Outcome, entries.get(keys.outcome))
+    outcome = found.to_dict() if found is not None else None
     header = {"v": SCHEMA, "job": job, "outcome": outcome, "written": time.time()}
     text = "".join(json.dumps(line, sort_keys=True) + "\n" for line in [header, *rows])
     tmp = None
@@ -145,13 +135,5 @@ def load_history(path: Path | str) -> tuple[dict[str, Any], list[dict[str, Any]]
             row = EventRecord.from_dict(doc).to_dict()
         except RecordError as exc:
             raise HistoryError(f"history file {path}, line {number}: {exc}") from None
-        if not _well_typed(row):
-            raise HistoryError(f"history file {path}, line {number}: not an event")
         rows.append(row)
     return header, rows
-
-
-def _well_typed(row: dict[str, Any]) -> bool:
-    number = (int, float)
-    return (isinstance(row["at"], number) and not isinstance(row["at"], bool) and isinstance(row["kind"], str)
-            and isinstance(row["text"], str) and isinstance(row["gen"], int) and isinstance(row["data"], dict))

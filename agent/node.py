@@ -47,7 +47,7 @@ from agent.errors import ConfigError, ControlPlaneLost, LeaseNotFound, StoreErro
 from agent.keys import JobKeys
 from agent.leader import Leader
 from agent.output import OutputRouter
-from agent.records import NodeRecord, Outcome, Plan, RunState
+from agent.records import NodeRecord, Outcome, Plan, RunState, parse
 from agent.store import Store
 from agent.worker_env import worker_env
 from agent.worker_channel import WorkerChannel
@@ -212,13 +212,12 @@ class NodeAgent:
             self._dirty.clear()
             await self._report(self._run)
             self._resync = False
-        outcome_entry = await self._store.get(self._keys.outcome)
-        if outcome_entry is not None:
-            outcome = Outcome.from_dict(outcome_entry.value)
+        outcome = parse(Outcome, await self._store.get(self._keys.outcome))
+        if outcome is not None:
             await self._stop_workers()
             return EXIT_OK if outcome.state == "succeeded" else EXIT_FAILED
-        plan_entry = await self._store.get(self._keys.plan)
-        if plan_entry is not None and await self._reconcile(Plan.from_dict(plan_entry.value)):
+        plan = parse(Plan, await self._store.get(self._keys.plan))
+        if plan is not None and await self._reconcile(plan):
             return EXIT_OK
         return None
 

@@ -162,7 +162,7 @@ ROW = json.dumps(EventRecord(1.0, "start", "generation 1", 1).to_dict())
     (json.dumps({"v": 1, "job": JOB, "outcome": {"v": 1, "state": "succeeded"}}) + "\n", "line 1: Outcome"),
     (HEADER + "\n" + ROW + "\n" + "{\"v\": 1, \"kind\": \"x\"}\n", "line 3: EventRecord"),
     (HEADER + "\n" + json.dumps({"v": 1, "at": "noon", "kind": "start", "text": "", "gen": 1}) + "\n",
-     "line 2: not an event"),
+     "line 2: EventRecord.at: 'noon' is not float"),
     (HEADER + "\n" + ROW + "\ntruncated", "line 3: not JSON"),
 ])
 def test_malformed_file(tmp_path: Path, text: str, part: str) -> None:
