@@ -362,7 +362,7 @@ class NodeAgent:
         elif kind == "broken":
             self._progress_at = None  # waiting for the next generation is not a hang
             log.warning("%s worker %d: generation %s broke at step %s: %s", self.cfg.node, pid, message.get("gen"),
-                        message.get("step"), str(message.get("error", "")).splitlines()[0][:300])
+                        message.get("step"), (message["error"].splitlines() or ["(no error text)"])[0][:300])
 
     async def _start_workers(self, plan: Plan, standby: bool = False) -> None:
         cfg = self.cfg
