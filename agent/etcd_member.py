@@ -35,6 +35,7 @@ from agent.errors import StoreError
 from agent.etcd_cluster import START_TIMEOUT, Layout, MemberView, host_of, next_repair
 from agent.etcd_server import EmbeddedEtcd
 from agent.records import EventRecord, MemberAssignment, Plan, parse
+from agent.shared_dirs import private_dir
 
 log = logging.getLogger("tmrun.etcd")
 
@@ -131,6 +132,7 @@ class MemberHost:
         self.grace = grace
 
     def _server(self, cluster: dict[str, str], state: str) -> EmbeddedEtcd:
+        private_dir(self.data_dir.parent, "remove it, or set TMPDIR to a directory of your own")
         shutil.rmtree(self.data_dir, ignore_errors=True)  # a fresh member: no state of another run
         return EmbeddedEtcd(self.data_dir, host=self.address, advertise_host=self.node,
                             client_port=self.layout.client_port, peer_port=self.layout.peer_port,

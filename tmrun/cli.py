@@ -36,7 +36,8 @@ from tmrun.jobs import JobRef, find_job, running_jobs, runtime_dir
 EXIT_CODES = {
     0: "success (the job succeeded; a drain completed)",
     1: "the job failed (a worker failed beyond the standby pool and --max-restarts, or rendezvous timed out)",
-    2: "usage error: unknown or malformed flag, missing script, inconsistent values",
+    2: "usage error: unknown or malformed flag, missing script, inconsistent values; a runtime or etcd data "
+       "directory that is not the user's own or is writable by others",
     3: "etcd is unreachable (after bounded retries), or stayed unreachable for longer than the outage bound "
        "while the job ran (the workers were stopped cleanly)",
     4: "unknown node",
@@ -289,7 +290,10 @@ def _etcd_member_host(slurm, job: str, name: str, address: str, lease_ttl: int):
     from agent.etcd_cluster import layout_for
     from agent.etcd_member import MemberHost
 
+    from agent.shared_dirs import private_dir
+
     data_root = Path(os.environ.get("TMPDIR") or tempfile.gettempdir()) / f"tmrun-{job}"
+    private_dir(data_root, "remove it, or set TMPDIR to a directory of your own")  # its name is easy to guess
     return MemberHost(layout_for(slurm), name, address, data_root, report=console.warning, grace=2.0 * lease_ttl + 2)
 
 
