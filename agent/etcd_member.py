@@ -34,6 +34,7 @@ import tenacity
 from agent.errors import StoreError
 from agent.etcd_cluster import START_TIMEOUT, Layout, MemberView, host_of, next_repair
 from agent.etcd_server import EmbeddedEtcd
+from agent.history import append_event
 from agent.records import EventRecord, MemberAssignment, Plan, parse
 from agent.shared_dirs import private_dir
 
@@ -226,7 +227,7 @@ class MemberHost:
         self._report(f"etcd cluster: {repair.action} a member: {repair.reason}")
         record = EventRecord(now, "etcd", f"etcd member {repair.action}: {repair.reason}", plan.gen,
                              {"node": repair.node, "members": len(members) + (1 if repair.action == "add" else -1)})
-        await store.put(keys.event(time.time_ns()), record.to_dict())
+        await append_event(store, keys, time.time_ns(), record)
 
     def _live(self, registered: set[str]) -> set[str]:
         """Nodes to count as in the job: registered, or missing for less than ``grace`` seconds.

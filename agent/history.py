@@ -7,6 +7,10 @@ in time order, each the row ``tmrun events --json`` prints (:func:`read_events`)
 replaced atomically (a temporary file in the same directory, then ``os.replace``), so a reader
 never sees half of it and, when several nodes write it on a shared file system, the last write
 wins. Nothing here reads the environment: :func:`default_log_root` is handed the mapping.
+
+Events are written through :func:`append_event`, which keeps the latest :data:`MAX_EVENTS` under
+``events/`` and deletes older ones, so that the prefix does not grow with the job's age; the
+history file (and ``tmrun events``) then holds the latest :data:`MAX_EVENTS` events.
 """
 
 from __future__ import annotations
@@ -28,6 +32,21 @@ from agent.store import Entry, Store
 log = logging.getLogger("tmrun.history")
 
 FILE_NAME = "events.jsonl"
+MAX_EVENTS = 1000  # events kept under events/; the oldest go when a new one is written
+
+
+async def append_event(store: Store, keys: JobKeys, seq: int, record: EventRecord, *, once: bool = False) -> None:
+    """Write ``events/<seq>`` (with ``once``: only if absent) and delete the oldest events beyond
+    :data:`MAX_EVENTS`. ``seq`` is wall-clock nanoseconds, so key order is time order."""
+    key = keys.event(seq)
+    if once:
+        if not await store.create(key, record.to_dict()):
+            return
+    else:
+        await store.put(key, record.to_dict())
+    entries, _ = await store.get_prefix(keys.events)
+    for old in sorted(entries)[:-MAX_EVENTS]:
+        await store.delete(old)
 
 
 def default_log_root(environ: Mapping[str, str]) -> Path:

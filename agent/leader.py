@@ -19,6 +19,7 @@ from typing import Callable
 from agent.changes import Changes
 from agent.config import AgentConfig
 from agent.errors import StoreError
+from agent.history import append_event
 from agent.keys import JobKeys
 from agent.policy import Action, Cluster, Clock, Decision, Limits, NodeView, decide, failure_pending, quorum_reached
 from agent.records import EventRecord, NodeRecord, Outcome, Plan, Request, parse
@@ -221,12 +222,12 @@ class Leader:
             return
         self._swaps_reported.add(plan.gen)
         record = EventRecord(summary["at"], "swap", describe(summary), plan.gen, summary)
-        await self._store.create(self._keys.event(int(summary["at"] * 1e9)), record.to_dict())
+        await append_event(self._store, self._keys, int(summary["at"] * 1e9), record, once=True)
 
     async def _event(self, decision: Decision, gen: int) -> None:
         record = EventRecord(self._wall(), decision.kind or decision.action.value, decision.reason, gen,
                              {"members": list(decision.members), "out": dict(decision.out)})
-        await self._store.put(self._keys.event(time.time_ns()), record.to_dict())
+        await append_event(self._store, self._keys, time.time_ns(), record)
 
     async def _new_tcp_store(self) -> int:
         """Host a fresh TCPStore for the new generation; keep the last few alive.
