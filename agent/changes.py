@@ -5,16 +5,22 @@ the next change (or a deadline) with :meth:`Changes.wait`. A broken watch is re-
 the last revision seen, for as long as it takes: while etcd is unreachable the loops simply see
 no change (their own reads fail and they decide what an outage means); when it is back, everyone
 is woken once to look again. A watch whose history was compacted away restarts from the present.
+The stores skip values that are not JSON objects (:mod:`agent.skipped`), so a junk value cannot
+end the watch; any other error it raises is logged and the watch re-established like after an
+outage: the shared watch never dies silently.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import tenacity
 
 from agent.errors import StoreCompacted, StoreError
 from agent.store import Store
+
+log = logging.getLogger("tmrun.agent")
 
 
 class Changes:
@@ -47,6 +53,8 @@ class Changes:
                 self._revision = 0  # events were lost: continue from the present
             except StoreError:
                 pass
+            except Exception:  # a bug: say it, and keep every loop of the agent woken
+                log.exception("the watch on %s failed; watching again", self._prefix)
             self.connected = False
             self._bump()
             watch = await self._rewatch()

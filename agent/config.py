@@ -3,17 +3,51 @@
 The CLI layer reads flags and environment variables and builds one :class:`AgentConfig`; the agent
 never reads the environment for its own settings. A config travels to a local-cluster agent
 process as JSON (``to_json``/``from_json``), never as pickle.
+
+Numbers from the command line go through :func:`parse_int` and :func:`parse_seconds`: ASCII digits
+only (Python's ``int`` takes ``"٣"`` for 3 and fails late on ``"²"``), finite (``float`` takes
+``nan`` and ``inf``) and within bounds (:data:`MAX_NODES`, :data:`MAX_NPROC`, :data:`MAX_SECONDS`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Any
 
 from agent.errors import ConfigError
 
 SCHEMA = 1
+MAX_NODES = 100_000  # nodes in a job (--nnodes, --standby)
+MAX_NPROC = 1024  # workers per node
+MAX_RESTARTS = 10_000
+MAX_SECONDS = 10_000_000.0  # any timeout: about 115 days
+
+_INT = re.compile(r"[+-]?[0-9]+")
+_NUMBER = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+
+
+def parse_int(text: str, what: str, low: int, high: int) -> int:
+    """``text`` as an integer in [low, high], written in ASCII digits; ConfigError otherwise."""
+    text = text.strip()
+    if not _INT.fullmatch(text):
+        raise ConfigError(f"{what} {text!r}: expected an integer")
+    if len(text) > 20 or not low <= int(text) <= high:
+        raise ConfigError(f"{what} {text[:24]}: expected {low} to {high}")
+    value = int(text)
+    return value
+
+
+def parse_seconds(text: str, what: str, high: float = MAX_SECONDS) -> float:
+    """``text`` as a finite number of seconds in [0, high]; ConfigError otherwise (NaN, inf, "٣")."""
+    text = text.strip()
+    if not _NUMBER.fullmatch(text):
+        raise ConfigError(f"{what} {text!r}: expected a number of seconds")
+    value = float(text)
+    if not 0 <= value <= high:
+        raise ConfigError(f"{what} {text}: expected a non-negative number of seconds, at most {high:g}")
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +89,8 @@ class Timeouts:
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if not isinstance(value, (int, float)) or value < 0:
-                raise ConfigError(f"timeout {field.name} must be a non-negative number, got {value!r}")
+            if not isinstance(value, (int, float)) or not 0 <= value <= MAX_SECONDS:
+                raise ConfigError(f"timeout {field.name} must be a number from 0 to {MAX_SECONDS:g}, got {value!r}")
         if self.lease_ttl < 2:
             raise ConfigError(f"lease_ttl must be at least 2 seconds, got {self.lease_ttl}")
         if self.collective <= 0:
@@ -87,8 +121,10 @@ class WorkerSpec:
             raise ConfigError("nothing to run: no script given")
         if self.nproc_per_node < 1:
             raise ConfigError(f"--nproc-per-node must be at least 1, got {self.nproc_per_node}")
-        if self.max_restarts < 0:
-            raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.nproc_per_node > MAX_NPROC:
+            raise ConfigError(f"--nproc-per-node {self.nproc_per_node}: at most {MAX_NPROC}")
+        if not 0 <= self.max_restarts <= MAX_RESTARTS:
+            raise ConfigError(f"--max-restarts must be from 0 to {MAX_RESTARTS}, got {self.max_restarts}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +152,10 @@ class AgentConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.min_nodes <= self.max_nodes:
             raise ConfigError(f"--nnodes {self.min_nodes}:{self.max_nodes}: need 1 <= MIN <= MAX")
+        if self.max_nodes > MAX_NODES:
+            raise ConfigError(f"--nnodes {self.max_nodes}: at most {MAX_NODES}")
+        if not (isinstance(self.monitor_interval, (int, float)) and 0 <= self.monitor_interval <= MAX_SECONDS):
+            raise ConfigError(f"--monitor-interval {self.monitor_interval!r}: expected 0 to {MAX_SECONDS:g} seconds")
         if not self.node or "/" in self.node:
             raise ConfigError(f"bad node name {self.node!r}: must be non-empty and contain no '/'")
 
@@ -137,17 +177,13 @@ class AgentConfig:
 def parse_nnodes(text: str) -> tuple[int, int]:
     """``"2"`` → (2, 2); ``"1:4"`` → (1, 4). Raises ConfigError on anything else."""
     parts = text.split(":")
-    try:
-        if len(parts) == 1:
-            low = high = int(parts[0])
-        elif len(parts) == 2:
-            low, high = int(parts[0]), int(parts[1])
-        else:
-            raise ValueError(text)
-    except ValueError:
-        raise ConfigError(f"--nnodes {text!r}: expected N or MIN:MAX") from None
+    if len(parts) > 2 or not all(_INT.fullmatch(part.strip()) and len(part.strip()) <= 20 for part in parts):
+        raise ConfigError(f"--nnodes {text!r}: expected N or MIN:MAX")
+    low, high = int(parts[0]), int(parts[-1])
     if not 1 <= low <= high:
         raise ConfigError(f"--nnodes {text}: need 1 <= MIN <= MAX")
+    if high > MAX_NODES:
+        raise ConfigError(f"--nnodes {text}: at most {MAX_NODES} nodes")
     return low, high
 
 
@@ -177,21 +213,25 @@ _TIMEOUT_KEYS = {
 KNOWN_RDZV_CONF = frozenset(_TIMEOUT_KEYS) | {"timeout", "read_timeout", "is_host"}
 
 
+def _conf_value(key: str, text: str, integer: bool = False) -> float:
+    pattern = _INT if integer else _NUMBER
+    if not pattern.fullmatch(text) or len(text) > 40:
+        kind = "an integer" if integer else "a number"
+        raise ConfigError(f"--rdzv-conf {key}={text!r}: expected {kind}")
+    value = int(text) if integer else float(text)
+    if not 0 <= value <= MAX_SECONDS:
+        raise ConfigError(f"--rdzv-conf {key}={text}: expected a non-negative number, at most {MAX_SECONDS:g}")
+    return value
+
+
 def timeouts_from_conf(conf: dict[str, str], stop_grace: float | None = None) -> Timeouts:
     """Timeouts from ``--rdzv-conf`` keys (torchrun's names where they exist)."""
     values: dict[str, float] = {}
     for key, field in _TIMEOUT_KEYS.items():
         if key in conf:
-            try:
-                values[field] = int(conf[key]) if field == "lease_ttl" else float(conf[key])
-            except ValueError:
-                kind = "an integer" if field == "lease_ttl" else "a number"
-                raise ConfigError(f"--rdzv-conf {key}={conf[key]!r}: expected {kind}") from None
+            values[field] = _conf_value(key, conf[key], integer=field == "lease_ttl")
     if "join_timeout" not in conf and "timeout" in conf:
-        try:
-            values["join"] = float(conf["timeout"])
-        except ValueError:
-            raise ConfigError(f"--rdzv-conf timeout={conf['timeout']!r}: expected a number") from None
+        values["join"] = _conf_value("timeout", conf["timeout"])
     if stop_grace is not None and "stop_grace" not in values:
         values["stop_grace"] = stop_grace
     if "collective" in values and "progress" not in values:

@@ -35,7 +35,9 @@ from agent.credentials import UserCredentials, server_certificate
 from agent.errors import StoreError
 from agent.etcd_cluster import START_TIMEOUT, Layout, MemberView, host_of, next_repair
 from agent.etcd_server import EmbeddedEtcd
-from agent.records import EventRecord, Plan
+from agent.history import append_event
+from agent.records import EventRecord, MemberAssignment, Plan, parse
+from agent.shared_dirs import private_dir
 
 log = logging.getLogger("tmrun.etcd")
 
@@ -133,6 +135,7 @@ class MemberHost:
         self.credentials = credentials  # members speak TLS with certificates of the user's CA
 
     def _server(self, cluster: dict[str, str], state: str) -> EmbeddedEtcd:
+        private_dir(self.data_dir.parent, "remove it, or set TMPDIR to a directory of your own")
         shutil.rmtree(self.data_dir, ignore_errors=True)  # a fresh member: no state of another run
         tls = None
         if self.credentials is not None:
@@ -176,11 +179,11 @@ class MemberHost:
                 await asyncio.gather(self._alive, return_exceptions=True)
 
     async def _follow_assignment(self, store, keys) -> None:
-        entry = await store.get(keys.etcd_member(self.node))
-        if entry is None or entry.value.get("v") != 1 or entry.value.get("at") == self._assignment_at:
+        assignment = parse(MemberAssignment, await store.get(keys.etcd_member(self.node)))
+        if assignment is None or assignment.at == self._assignment_at:
             return
-        self._assignment_at = entry.value.get("at")
-        cluster = {str(k): str(v) for k, v in dict(entry.value.get("cluster", {})).items()}
+        self._assignment_at = assignment.at
+        cluster = assignment.cluster
         if self._alive is not None:
             self._alive.cancel()
             await asyncio.gather(self._alive, return_exceptions=True)
@@ -201,7 +204,9 @@ class MemberHost:
         entries, _ = await store.get_prefix(keys.root)
         if keys.plan not in entries or keys.outcome in entries:
             return  # before the first generation nodes are still arriving; after the end, nothing to keep
-        plan = Plan.from_dict(entries[keys.plan].value)
+        plan = parse(Plan, entries[keys.plan])
+        if plan is None:
+            return
         registered = {keys.relative(k)[len("nodes/"):] for k in entries if keys.relative(k).startswith("nodes/")}
         live = self._live(registered)
         leaving = {node for node, why in plan.out.items() if why == "drained"}
@@ -210,7 +215,8 @@ class MemberHost:
         now = self._wall()
         for key, entry in entries.items():
             rel = keys.relative(key)
-            if rel.startswith("etcd/") and now - float(entry.value.get("at", now)) > START_TIMEOUT \
+            assignment = parse(MemberAssignment, entry) if rel.startswith("etcd/") else None
+            if assignment is not None and now - assignment.at > START_TIMEOUT \
                     and any(v.node == rel[5:] and not v.started for v in views):
                 self._stale.add(rel[5:])
         repair = next_repair(views, live, leaving, self.layout.hosts, self._stale, self.layout.size)
@@ -221,14 +227,13 @@ class MemberHost:
             cluster = {m.name: m.peer_urls[0] for m in members if m.name and m.peer_urls}
             cluster[self.layout.name(repair.node)] = self.layout.peer_url(repair.node)
             await store.add_member(self.layout.peer_url(repair.node))
-            await store.put(keys.etcd_member(repair.node), {"v": 1, "node": repair.node, "cluster": cluster,
-                                                           "at": now})
+            await store.put(keys.etcd_member(repair.node), MemberAssignment(repair.node, cluster, now).to_dict())
         else:
             return
         self._report(f"etcd cluster: {repair.action} a member: {repair.reason}")
         record = EventRecord(now, "etcd", f"etcd member {repair.action}: {repair.reason}", plan.gen,
                              {"node": repair.node, "members": len(members) + (1 if repair.action == "add" else -1)})
-        await store.put(keys.event(time.time_ns()), record.to_dict())
+        await append_event(store, keys, time.time_ns(), record)
 
     def _live(self, registered: set[str]) -> set[str]:
         """Nodes to count as in the job: registered, or missing for less than ``grace`` seconds.
@@ -291,7 +296,8 @@ def awaiting_ack(entries: dict, keys, hosts: tuple[str, ...] | list[str], me: st
     """
     expected = {keys.relative(k)[len("nodes/"):] for k in entries if keys.relative(k).startswith("nodes/")}
     expected |= set(hosts)
-    if keys.plan in entries:
-        expected -= set(Plan.from_dict(entries[keys.plan].value).out)
+    plan = parse(Plan, entries.get(keys.plan))
+    if plan is not None:
+        expected -= set(plan.out)
     acked = {keys.relative(k)[len("done/"):] for k in entries if keys.relative(k).startswith("done/")}
     return expected - acked - {me}

@@ -9,7 +9,9 @@ This is the only module that imports ``aetcd`` or ``grpc``; their errors end her
     aetcd RevisionCompactedError    StoreCompacted
     any other aetcd ClientError     StoreError
 
-Values are JSON objects, encoded compactly with sorted keys; keys are UTF-8.
+Values are JSON objects, encoded compactly with sorted keys; keys are UTF-8. A value that is not
+a JSON object (or a key that is not UTF-8), written by some other client, is skipped on every read
+and watch with one warning (:mod:`agent.skipped`), never raised.
 
 What ``aetcd`` does not do, and this module adds:
 
@@ -43,6 +45,7 @@ import tenacity
 from aetcd import rpc  # noqa: E402
 
 from agent.errors import ConfigError, LeaseNotFound, StoreCompacted, StoreError, StoreUnavailable
+from agent.skipped import decode_key, decode_value
 from agent.store import Entry, Event, Store, Watch
 
 T = TypeVar("T")
@@ -229,17 +232,16 @@ class _Client(aetcd.Client):
 def _encode(value: dict) -> bytes:
     if not isinstance(value, dict):
         raise TypeError(f"store values are dicts, not {type(value).__name__}")
-    return json.dumps(value, separators=(",", ":"), sort_keys=True).encode()
+    return json.dumps(value, separators=(",", ":"), sort_keys=True, allow_nan=False).encode()
 
 
-def _entry(kv) -> Entry:
-    return Entry(
-        key=kv.key.decode(),
-        value=json.loads(kv.value),
-        create_revision=kv.create_revision,
-        mod_revision=kv.mod_revision,
-        lease=kv.lease,
-    )
+def _entry(kv) -> Entry | None:
+    """The entry, or None when its key or value is not what tmrun stores (warned once)."""
+    key = decode_key(kv.key)
+    value = None if key is None else decode_value(key, kv.value, kv.mod_revision)
+    if value is None:
+        return None
+    return Entry(key, value, kv.create_revision, kv.mod_revision, kv.lease)
 
 
 def _check_prefix(prefix: str) -> None:
@@ -353,11 +355,16 @@ class EtcdStore(Store):
         _check_prefix(prefix)
         got = await self._call("get_prefix", lambda c: c.get_prefix(prefix.encode()))
         entries = (_entry(kv) for kv in got.kvs)
-        return {e.key: e for e in entries}, got.header.revision
+        return {e.key: e for e in entries if e is not None}, got.header.revision
 
     async def put(self, key: str, value: dict, *, lease: int = 0) -> int:
         data = _encode(value)
         done = await self._call("put", lambda c: c.put(key.encode(), data, lease=lease))
+        return done.header.revision
+
+    async def put_raw(self, key: str, data: bytes) -> int:
+        """Write ``data`` as it is, as another etcd client could (tests of what tmrun reads)."""
+        done = await self._call("put", lambda c: c.put(key.encode(), data))
         return done.header.revision
 
     async def create(self, key: str, value: dict, *, lease: int = 0) -> bool:
@@ -481,9 +488,10 @@ class _EtcdWatch(Watch):
         while not self._cancelled:
             try:
                 async for raw in self._inner:
+                    self._next_revision = raw.kv.mod_revision + 1
                     event = _event(raw)
-                    self._next_revision = event.revision + 1
-                    yield event
+                    if event is not None:
+                        yield event
                 return  # aetcd ends iteration on cancel and on client close
             except _RETRYABLE:
                 if self._cancelled or self._store._closed:
@@ -508,8 +516,13 @@ class _EtcdWatch(Watch):
             await asyncio.wait_for(inner.cancel(), CANCEL_TIMEOUT)
 
 
-def _event(raw: aetcd.Event) -> Event:
+def _event(raw: aetcd.Event) -> Event | None:
+    """The event, or None for a put of a value that is not a JSON object (warned once)."""
     kv = raw.kv
+    key = decode_key(kv.key)
+    if key is None:
+        return None
     if raw.kind == aetcd.EventKind.PUT:
-        return Event("put", kv.key.decode(), json.loads(kv.value), kv.mod_revision)
-    return Event("delete", kv.key.decode(), None, kv.mod_revision)
+        value = decode_value(key, kv.value, kv.mod_revision)
+        return None if value is None else Event("put", key, value, kv.mod_revision)
+    return Event("delete", key, None, kv.mod_revision)

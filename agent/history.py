@@ -7,6 +7,10 @@ in time order, each the row ``tmrun events --json`` prints (:func:`read_events`)
 replaced atomically (a temporary file in the same directory, then ``os.replace``), so a reader
 never sees half of it and, when several nodes write it on a shared file system, the last write
 wins. Nothing here reads the environment: :func:`default_log_root` is handed the mapping.
+
+Events are written through :func:`append_event`, which keeps the latest :data:`MAX_EVENTS` under
+``events/`` and deletes older ones, so that the prefix does not grow with the job's age; the
+history file (and ``tmrun events``) then holds the latest :data:`MAX_EVENTS` events.
 """
 
 from __future__ import annotations
@@ -22,12 +26,27 @@ from typing import Any, Mapping
 
 from agent.errors import HistoryError, JobNotFound, StoreError
 from agent.keys import JobKeys
-from agent.records import SCHEMA, EventRecord, Outcome, RecordError
+from agent.records import SCHEMA, EventRecord, Outcome, RecordError, parse
 from agent.store import Entry, Store
 
 log = logging.getLogger("tmrun.history")
 
 FILE_NAME = "events.jsonl"
+MAX_EVENTS = 1000  # events kept under events/; the oldest go when a new one is written
+
+
+async def append_event(store: Store, keys: JobKeys, seq: int, record: EventRecord, *, once: bool = False) -> None:
+    """Write ``events/<seq>`` (with ``once``: only if absent) and delete the oldest events beyond
+    :data:`MAX_EVENTS`. ``seq`` is wall-clock nanoseconds, so key order is time order."""
+    key = keys.event(seq)
+    if once:
+        if not await store.create(key, record.to_dict()):
+            return
+    else:
+        await store.put(key, record.to_dict())
+    entries, _ = await store.get_prefix(keys.events)
+    for old in sorted(entries)[:-MAX_EVENTS]:
+        await store.delete(old)
 
 
 def default_log_root(environ: Mapping[str, str]) -> Path:
@@ -60,13 +79,8 @@ async def read_events(store: Store, job: str) -> list[dict[str, Any]]:
 
 
 def _event_rows(entries: Mapping[str, Entry]) -> list[dict[str, Any]]:
-    rows = []
-    for key in sorted(entries):  # seq: 20-digit nanoseconds, so key order is time order
-        try:
-            rows.append(EventRecord.from_dict(entries[key].value).to_dict())
-        except RecordError:
-            continue
-    return rows
+    found = (parse(EventRecord, entries[key]) for key in sorted(entries))  # seq: nanoseconds, key order is time order
+    return [record.to_dict() for record in found if record is not None]
 
 
 async def save_history(store: Store, job: str, log_root: Path | str) -> Path | None:
@@ -80,13 +94,8 @@ async def save_history(store: Store, job: str, log_root: Path | str) -> Path | N
         log.warning("job %s: history not saved, the store failed: %s", job, exc)
         return None
     rows = _event_rows({k: e for k, e in entries.items() if k.startswith(keys.events)})
-    entry = entries.get(keys.outcome)
-    outcome = None
-    if entry is not None:
-        try:
-            outcome = Outcome.from_dict(entry.value).to_dict()
-        except RecordError:
-            pass
+    found = parse(Outcome, entries.get(keys.outcome))
+    outcome = found.to_dict() if found is not None else None
     header = {"v": SCHEMA, "job": job, "outcome": outcome, "written": time.time()}
     text = "".join(json.dumps(line, sort_keys=True) + "\n" for line in [header, *rows])
     tmp = None
@@ -145,13 +154,5 @@ def load_history(path: Path | str) -> tuple[dict[str, Any], list[dict[str, Any]]
             row = EventRecord.from_dict(doc).to_dict()
         except RecordError as exc:
             raise HistoryError(f"history file {path}, line {number}: {exc}") from None
-        if not _well_typed(row):
-            raise HistoryError(f"history file {path}, line {number}: not an event")
         rows.append(row)
     return header, rows
-
-
-def _well_typed(row: dict[str, Any]) -> bool:
-    number = (int, float)
-    return (isinstance(row["at"], number) and not isinstance(row["at"], bool) and isinstance(row["kind"], str)
-            and isinstance(row["text"], str) and isinstance(row["gen"], int) and isinstance(row["data"], dict))

@@ -19,9 +19,11 @@ from typing import Callable
 from agent.changes import Changes
 from agent.config import AgentConfig
 from agent.errors import StoreError
+from agent.history import append_event
 from agent.keys import JobKeys
 from agent.policy import Action, Cluster, Clock, Decision, Limits, NodeView, decide, failure_pending, quorum_reached
-from agent.records import EventRecord, NodeRecord, Outcome, Plan, RecordError, Request
+from agent.records import EventRecord, NodeRecord, Outcome, Plan, Request, parse
+from agent.skipped import warn_skipped
 from agent.store import Entry, Store
 from agent.swap_report import describe, summarize
 
@@ -31,25 +33,29 @@ RETRY = 1.0  # seconds before looking again while etcd is unavailable
 
 
 def read_cluster(keys: JobKeys, entries: dict[str, Entry]) -> tuple[Cluster, Entry | None]:
-    """A :class:`Cluster` snapshot from the job's keys, and the plan's entry (for CAS)."""
+    """A :class:`Cluster` snapshot from the job's keys, and the plan's entry (for CAS).
+
+    A value that is not a valid record is left out (one warning per key and revision): a node
+    record that does not parse, or that names another node than its key, is as good as absent.
+    """
     nodes: dict[str, NodeView] = {}
     requests: list[tuple[int, Request]] = []
     for key, entry in entries.items():
         rel = keys.relative(key)
-        try:
-            if rel.startswith("nodes/"):
-                rec = NodeRecord.from_dict(entry.value)
+        if rel.startswith("nodes/"):
+            rec = parse(NodeRecord, entry)
+            if rec is not None and rec.node != rel[len("nodes/"):]:
+                warn_skipped(key, entry.mod_revision, f"the record names node {rec.node!r}")
+            elif rec is not None:
                 nodes[rec.node] = NodeView(rec.node, entry.create_revision, rec.slots, rec.standby_hint,
                                            rec.run_state, entry.mod_revision)
-            elif rel.startswith("requests/"):
-                req = Request.from_dict(entry.value)
-                if req.state == "pending":
-                    requests.append((entry.create_revision, req))
-        except RecordError as exc:
-            log.warning("ignoring %s: %s", rel, exc)
+        elif rel.startswith("requests/"):
+            req = parse(Request, entry)
+            if req is not None and req.state == "pending":
+                requests.append((entry.create_revision, req))
     plan_entry = entries.get(keys.plan)
-    plan = Plan.from_dict(plan_entry.value) if plan_entry else None
-    finished = keys.outcome in entries
+    plan = parse(Plan, plan_entry)
+    finished = parse(Outcome, entries.get(keys.outcome)) is not None
     ordered = tuple(req for _, req in sorted(requests, key=lambda item: item[0]))
     return Cluster(nodes, plan, ordered, finished), plan_entry
 
@@ -184,8 +190,10 @@ class Leader:
             entry = await self._store.get(key)
             if entry is None:
                 continue
-            request = dataclasses.replace(Request.from_dict(entry.value), state=answer.state,
-                                          answer=answer.text, gen=gen)
+            request = parse(Request, entry)
+            if request is None:
+                continue
+            request = dataclasses.replace(request, state=answer.state, answer=answer.text, gen=gen)
             await self._store.replace(key, request.to_dict(), mod_revision=entry.mod_revision)
         if decision.action is Action.ANSWER:
             await self._event(decision, gen)
@@ -193,9 +201,8 @@ class Leader:
     async def _drain_pending(self) -> bool:
         entries, _ = await self._store.get_prefix(self._keys.requests)
         for entry in entries.values():
-            try:
-                request = Request.from_dict(entry.value)
-            except RecordError:
+            request = parse(Request, entry)
+            if request is None:
                 continue
             if request.kind == "drain" and request.node == self._cfg.node and request.state == "pending":
                 return True
@@ -215,12 +222,12 @@ class Leader:
             return
         self._swaps_reported.add(plan.gen)
         record = EventRecord(summary["at"], "swap", describe(summary), plan.gen, summary)
-        await self._store.create(self._keys.event(int(summary["at"] * 1e9)), record.to_dict())
+        await append_event(self._store, self._keys, int(summary["at"] * 1e9), record, once=True)
 
     async def _event(self, decision: Decision, gen: int) -> None:
         record = EventRecord(self._wall(), decision.kind or decision.action.value, decision.reason, gen,
                              {"members": list(decision.members), "out": dict(decision.out)})
-        await self._store.put(self._keys.event(time.time_ns()), record.to_dict())
+        await append_event(self._store, self._keys, time.time_ns(), record)
 
     async def _new_tcp_store(self) -> int:
         """Host a fresh TCPStore for the new generation; keep the last few alive.

@@ -5,7 +5,9 @@ What it copies from etcd (``tests/test_store_contract.py`` checks both against o
 - one store revision, starting at 1, raised by one per write (a put, a delete, a prefix delete
   or a lease's expiry or revocation, however many keys it touches); ``create_revision`` and
   ``mod_revision`` per key;
-- values go through a JSON round trip, so a test sees what etcd would hand back;
+- values are kept as the bytes etcd would hold and decoded on every read, so a test sees what
+  etcd would hand back; a value that is not a JSON object (:meth:`put_raw`) is skipped on reads
+  and watches with one warning, as :class:`agent.etcd_store.EtcdStore` does;
 - leases with a TTL on an injectable ``clock`` (default ``time.monotonic``). Expired leases are
   reaped lazily, at the start of every operation, and by an explicit :meth:`expire_leases`;
   their keys are deleted in one revision and watches see the deletes;
@@ -25,6 +27,7 @@ import time
 from typing import AsyncIterator, Callable
 
 from agent.errors import LeaseNotFound, StoreCompacted, StoreError
+from agent.skipped import decode_value
 from agent.store import Entry, Event, Store, Watch
 
 FIRST_LEASE_ID = 0x7E57_0000_0001
@@ -36,16 +39,46 @@ class _Lease:
     deadline: float
 
 
+@dataclasses.dataclass(frozen=True)
+class _Kv:
+    """A key as kept: the value's bytes, as etcd keeps them."""
+
+    data: bytes
+    create_revision: int
+    mod_revision: int
+    lease: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Change:
+    """One change in the history; ``data`` is None for deletes."""
+
+    key: str
+    data: bytes | None
+    revision: int
+
+    def event(self) -> Event | None:
+        if self.data is None:
+            return Event("delete", self.key, None, self.revision)
+        value = decode_value(self.key, self.data, self.revision)
+        return None if value is None else Event("put", self.key, value, self.revision)
+
+
 def _check_prefix(prefix: str) -> None:
     if not prefix:
         raise ValueError("an empty prefix would mean every key; give a non-empty prefix")
 
 
-def _copy(value: dict) -> dict:
-    """The value as etcd would store and return it: through JSON, a fresh object."""
+def _encode(value: dict) -> bytes:
+    """The value as etcd would store it."""
     if not isinstance(value, dict):
         raise TypeError(f"store values are dicts, not {type(value).__name__}")
-    return json.loads(json.dumps(value, separators=(",", ":"), sort_keys=True))
+    return json.dumps(value, separators=(",", ":"), sort_keys=True, allow_nan=False).encode()
+
+
+def _entry(key: str, kv: _Kv) -> Entry | None:
+    value = decode_value(key, kv.data, kv.mod_revision)
+    return None if value is None else Entry(key, value, kv.create_revision, kv.mod_revision, kv.lease)
 
 
 class MemoryStore(Store):
@@ -56,8 +89,8 @@ class MemoryStore(Store):
         self._clock = clock
         self._revision = 1
         self._compacted = 0  # history below this revision is gone
-        self._data: dict[str, Entry] = {}
-        self._history: list[Event] = []
+        self._data: dict[str, _Kv] = {}
+        self._history: list[_Change] = []
         self._leases: dict[int, _Lease] = {}
         self._next_lease = FIRST_LEASE_ID
         self._watches: set[_MemoryWatch] = set()
@@ -74,26 +107,25 @@ class MemoryStore(Store):
             raise StoreError(f"store {self.endpoint} is closed")
         self.expire_leases()
 
-    def _commit(self, changes: list[tuple[str, dict | None, int]]) -> int:
-        """Apply (key, value or None for delete, lease) changes at one new revision."""
+    def _commit(self, changes: list[tuple[str, bytes | None, int]]) -> int:
+        """Apply (key, value's bytes or None for delete, lease) changes at one new revision."""
         if not changes:
             return self._revision
         self._revision += 1
         revision = self._revision
-        events = []
-        for key, value, lease in changes:
-            if value is None:
+        done = []
+        for key, data, lease in changes:
+            if data is None:
                 del self._data[key]
-                events.append(Event("delete", key, None, revision))
             else:
                 old = self._data.get(key)
                 created = old.create_revision if old else revision
-                self._data[key] = Entry(key, value, created, revision, lease)
-                events.append(Event("put", key, value, revision))  # watches get copies
-        self._history.extend(events)
+                self._data[key] = _Kv(data, created, revision, lease)
+            done.append(_Change(key, data, revision))
+        self._history.extend(done)
         for watch in list(self._watches):
-            for event in events:
-                watch._offer(event)
+            for change in done:
+                watch._offer(change)
         return revision
 
     def _check_lease(self, lease: int) -> None:
@@ -104,35 +136,36 @@ class MemoryStore(Store):
 
     async def get(self, key: str) -> Entry | None:
         self._begin()
-        entry = self._data.get(key)
-        return None if entry is None else dataclasses.replace(entry, value=_copy(entry.value))
+        kv = self._data.get(key)
+        return None if kv is None else _entry(key, kv)
 
     async def get_prefix(self, prefix: str) -> tuple[dict[str, Entry], int]:
         _check_prefix(prefix)
         self._begin()
-        found = {
-            key: dataclasses.replace(entry, value=_copy(entry.value))
-            for key, entry in sorted(self._data.items())
-            if key.startswith(prefix)
-        }
-        return found, self._revision
+        found = (_entry(key, kv) for key, kv in sorted(self._data.items()) if key.startswith(prefix))
+        return {entry.key: entry for entry in found if entry is not None}, self._revision
 
     async def put(self, key: str, value: dict, *, lease: int = 0) -> int:
         self._begin()
         self._check_lease(lease)
-        return self._commit([(key, _copy(value), lease)])
+        return self._commit([(key, _encode(value), lease)])
+
+    async def put_raw(self, key: str, data: bytes) -> int:
+        """Write ``data`` as it is, as another etcd client could (tests of what tmrun reads)."""
+        self._begin()
+        return self._commit([(key, bytes(data), 0)])
 
     async def create(self, key: str, value: dict, *, lease: int = 0) -> bool:
         return await self.replace(key, value, mod_revision=0, lease=lease)
 
     async def replace(self, key: str, value: dict, *, mod_revision: int, lease: int = 0) -> bool:
         self._begin()
-        value = _copy(value)
+        data = _encode(value)
         current = self._data.get(key)
         if (current.mod_revision if current else 0) != mod_revision:
             return False
         self._check_lease(lease)
-        self._commit([(key, value, lease)])
+        self._commit([(key, data, lease)])
         return True
 
     async def delete(self, key: str) -> bool:
@@ -180,7 +213,7 @@ class MemoryStore(Store):
     def _drop_lease(self, lease: int) -> None:
         if self._leases.pop(lease, None) is None:
             return
-        bound = sorted(key for key, entry in self._data.items() if entry.lease == lease)
+        bound = sorted(key for key, kv in self._data.items() if kv.lease == lease)
         self._commit([(key, None, 0) for key in bound])
 
     def expire_leases(self) -> list[int]:
@@ -202,9 +235,9 @@ class MemoryStore(Store):
         if start_revision < self._compacted:
             watch._fail(StoreCompacted(self._compacted))
             return watch
-        for event in self._history:
-            if event.revision >= start_revision:
-                watch._offer(event)
+        for change in self._history:
+            if change.revision >= start_revision:
+                watch._offer(change)
         self._watches.add(watch)
         return watch
 
@@ -226,10 +259,11 @@ class _MemoryWatch(Watch):
         self._queue: asyncio.Queue = asyncio.Queue()
         self._cancelled = False
 
-    def _offer(self, event: Event) -> None:
-        if event.key.startswith(self._prefix):
-            value = None if event.value is None else _copy(event.value)
-            self._queue.put_nowait(dataclasses.replace(event, value=value))
+    def _offer(self, change: _Change) -> None:
+        if change.key.startswith(self._prefix):
+            event = change.event()  # a fresh value per watch; junk is skipped
+            if event is not None:
+                self._queue.put_nowait(event)
 
     def _fail(self, error: Exception) -> None:
         self._queue.put_nowait(error)

@@ -47,7 +47,7 @@ from agent.errors import ConfigError, ControlPlaneLost, LeaseNotFound, StoreErro
 from agent.keys import JobKeys
 from agent.leader import Leader
 from agent.output import OutputRouter
-from agent.records import NodeRecord, Outcome, Plan, RunState
+from agent.records import NodeRecord, Outcome, Plan, RunState, parse
 from agent.store import Store
 from agent.worker_env import worker_env
 from agent.worker_channel import WorkerChannel
@@ -212,15 +212,14 @@ class NodeAgent:
             self._dirty.clear()
             await self._report(self._run)
             self._resync = False
-        outcome_entry = await self._store.get(self._keys.outcome)
-        if outcome_entry is not None:
-            outcome = Outcome.from_dict(outcome_entry.value)
+        outcome = parse(Outcome, await self._store.get(self._keys.outcome))
+        if outcome is not None:
             await self._stop_workers()
             await self._store.put(self._keys.node_done(self.cfg.node), {"v": 1, "node": self.cfg.node,
                                                                          "at": time.time()})
             return EXIT_OK if outcome.state == "succeeded" else EXIT_FAILED
-        plan_entry = await self._store.get(self._keys.plan)
-        if plan_entry is not None and await self._reconcile(Plan.from_dict(plan_entry.value)):
+        plan = parse(Plan, await self._store.get(self._keys.plan))
+        if plan is not None and await self._reconcile(plan):
             return EXIT_OK
         return None
 
@@ -366,7 +365,7 @@ class NodeAgent:
         elif kind == "broken":
             self._progress_at = None  # waiting for the next generation is not a hang
             log.warning("%s worker %d: generation %s broke at step %s: %s", self.cfg.node, pid, message.get("gen"),
-                        message.get("step"), str(message.get("error", "")).splitlines()[0][:300])
+                        message.get("step"), (message["error"].splitlines() or ["(no error text)"])[0][:300])
 
     async def _start_workers(self, plan: Plan, standby: bool = False) -> None:
         cfg = self.cfg

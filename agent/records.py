@@ -8,15 +8,25 @@ Direction of each record:
 - :class:`Outcome` — ``outcome``: written once by the leader when the job ends.
 - :class:`Request` — ``requests/<id>``: written by ``tmrun drain``, answered by the leader.
 - :class:`EventRecord` — ``events/<seq>``: appended by the leader, read by ``tmrun events``.
+- :class:`MemberAssignment` — ``etcd/<node>``: written by the leader's agent under SLURM, read by
+  that node's agent, which then starts an etcd member joining the cluster.
 
-Each record serialises to a dict with ``"v": SCHEMA``; a record of another version is rejected
-with :class:`RecordError` rather than misread. Nothing here is pickled.
+Each record serialises to a dict with ``"v": SCHEMA``; a record of another version, or one whose
+fields are missing or of the wrong type (``nodes/x`` holding ``{"v": 1}``, a ``slots`` that is a
+string), is rejected with :class:`RecordError` rather than misread. Readers use :func:`parse`,
+which skips such a value with one warning per key and revision. Nothing here is pickled.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import types
+import typing
 from typing import Any, TypeVar
+
+from agent.skipped import warn_skipped
+from agent.store import Entry
 
 SCHEMA = 1
 
@@ -28,20 +38,95 @@ class RecordError(ValueError):
 
 
 class Record:
-    """Mixin: ``to_dict``/``from_dict`` with the schema version checked."""
+    """Mixin: ``to_dict``/``from_dict`` with the schema version and every field's type checked."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"v": SCHEMA, **dataclasses.asdict(self)}  # type: ignore[call-overload]
 
     @classmethod
-    def from_dict(cls: type[T], data: dict[str, Any]) -> T:
-        if data.get("v") != SCHEMA:
+    def from_dict(cls: type[T], data: Any) -> T:
+        if not isinstance(data, dict):
+            raise RecordError(f"{cls.__name__}: not a JSON object")
+        if type(data.get("v")) is not int or data["v"] != SCHEMA:
             raise RecordError(f"{cls.__name__}: schema version {data.get('v')!r}, expected {SCHEMA}")
-        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-        try:
-            return cls(**{k: v for k, v in data.items() if k in names})
-        except TypeError as exc:
-            raise RecordError(f"{cls.__name__}: {exc}") from None
+        return cls._from_fields(data)
+
+    @classmethod
+    def _from_fields(cls: type[T], data: dict[str, Any]) -> T:
+        """The record from ``data``'s fields (unknown ones ignored), each checked against its type."""
+        hints = _hints(cls)
+        values = {}
+        for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+            if field.name in data:
+                values[field.name] = _conform(hints[field.name], data[field.name], f"{cls.__name__}.{field.name}")
+            elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+                raise RecordError(f"{cls.__name__}: field {field.name!r} is missing")
+        record = cls(**values)
+        record._check()
+        return record
+
+    def _check(self) -> None:
+        """Invariants beyond the fields' types; raise RecordError."""
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _conform(hint: Any, value: Any, where: str) -> Any:
+    """``value`` as a ``hint`` (JSON lists become tuples), or RecordError saying what is wrong."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        for arm in args:
+            try:
+                return _conform(arm, value, where)
+            except RecordError:
+                continue
+        raise RecordError(f"{where}: {_brief(value)} is not {hint}")
+    if hint is type(None):
+        if value is None:
+            return None
+    elif hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < 1e300:
+            return float(value)
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    elif origin is tuple:
+        if isinstance(value, (list, tuple)):
+            return tuple(_conform(args[0], item, f"{where}[]") for item in value)
+    elif origin is dict:
+        if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+            return {k: _conform(args[1], v, f"{where}[{k!r}]") for k, v in value.items()}
+    else:
+        raise TypeError(f"{where}: no check for {hint}")  # a bug in a record's annotations
+    raise RecordError(f"{where}: {_brief(value)} is not {getattr(hint, '__name__', hint)}")
+
+
+def _brief(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def parse(cls: type[T], entry: Entry | None) -> T | None:
+    """The record held by ``entry``; None when there is no entry or it does not hold a valid
+    ``cls`` (then one warning per key and revision: :mod:`agent.skipped`)."""
+    if entry is None:
+        return None
+    try:
+        return cls.from_dict(entry.value)
+    except RecordError as exc:
+        warn_skipped(entry.key, entry.mod_revision, str(exc))
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +148,17 @@ class RunState(Record):
     step_time: float = 0.0
     last_swap: dict[str, Any] = dataclasses.field(default_factory=dict)
 
+    def _check(self) -> None:
+        for name, value in self.last_swap.items():  # read by agent/swap_report.py
+            if name in SWAP_NUMBERS and value is not None:
+                _conform(float, value, f"RunState.last_swap[{name!r}]")
+
+
+# ``last_swap`` fields that are numbers (or None) wherever they are present.
+SWAP_NUMBERS = frozenset({"gen", "step", "stall", "build", "transfer", "bytes_received", "from_leaver", "handover_s",
+                          "phase1_steps", "phase1_step_time", "normal_step_time", "prepared_at", "ready_at",
+                          "switched_at", "first_step_at"})
+
 
 @dataclasses.dataclass(frozen=True)
 class NodeRecord(Record):
@@ -76,7 +172,12 @@ class NodeRecord(Record):
 
     @property
     def run_state(self) -> RunState:
-        return RunState(**{k: v for k, v in self.run.items() if k != "v"}) if self.run else RunState()
+        return RunState._from_fields(self.run) if self.run else RunState()
+
+    def _check(self) -> None:
+        if self.slots < 1:
+            raise RecordError(f"NodeRecord.slots: {self.slots} is not a positive number of workers")
+        self.run_state  # noqa: B018  (raises RecordError when ``run`` is not a RunState)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,10 +231,12 @@ class Plan(Record):
             offset += self.slots[member]
         raise KeyError(node)
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Plan":
-        plan = super().from_dict(data)
-        return dataclasses.replace(plan, members=tuple(plan.members), joiners=tuple(plan.joiners))
+    def _check(self) -> None:
+        missing = [m for m in self.members if m not in self.slots]
+        if missing or len(set(self.members)) != len(self.members):
+            raise RecordError(f"Plan: members {list(self.members)} do not match slots {self.slots}")
+        if any(n < 1 for n in self.slots.values()):
+            raise RecordError(f"Plan.slots: {self.slots} holds a number below 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,3 +268,12 @@ class EventRecord(Record):
     text: str
     gen: int = 0
     data: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemberAssignment(Record):
+    """Start an etcd member on ``node`` that joins ``cluster`` (member name -> peer URL)."""
+
+    node: str
+    cluster: dict[str, str]
+    at: float

@@ -7,7 +7,10 @@ the same contract (``tests/test_store_contract.py`` runs against both):
 - :class:`agent.etcd_store.EtcdStore`, a real etcd through ``aetcd``;
 - :class:`agent.memory_store.MemoryStore`, in-process, for fast tests of pure logic.
 
-Errors are :class:`agent.errors.StoreError` and its subclasses, never the client's own.
+Errors are :class:`agent.errors.StoreError` and its subclasses, never the client's own. Reads and
+watches hand out only JSON objects: a value that is not one (written by another client) is skipped
+with one warning per key and revision (:mod:`agent.skipped`); its shape is checked by
+:mod:`agent.records`.
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ class Store(abc.ABC):
     """Compare-and-set key-value store with leases and watches (the etcd v3 model).
 
     A store belongs to the event loop that first uses it. Operations after ``close()`` raise
-    StoreError. Values must be JSON objects (TypeError otherwise) and come back as fresh dicts.
+    StoreError. Values must be JSON objects (TypeError otherwise; ValueError for NaN or infinity)
+    and come back as fresh dicts.
     """
 
     endpoint: str = ""

@@ -3,6 +3,11 @@
 Workers that run the tmrun runtime connect and say ``hello`` with their pid; from then on the
 agent can send them ``prepare``/``leave`` and receives their ``ready``/``switched``/``progress``/
 ``broken``. Messages for a worker that has not said hello yet wait in its queue.
+
+A worker is never dropped for what it sends: a line that is not a valid message (not JSON, a
+field missing or of the wrong type) or is longer than :data:`tmrun.protocol.MAX_LINE` is skipped
+with one warning naming the worker and what was wrong, and the connection stays open. Only the
+worker closing its end (or the agent closing the channel) ends it.
 """
 
 from __future__ import annotations
@@ -12,14 +17,16 @@ import logging
 import os
 from typing import Any, Callable
 
-from tmrun.protocol import ProtocolError, decode, encode
+from tmrun.protocol import MAX_LINE, ProtocolError, decode, encode
 
 log = logging.getLogger("tmrun.agent")
 
 
 class WorkerChannel:
-    def __init__(self, path: str, on_message: Callable[[int, dict[str, Any]], None]) -> None:
+    def __init__(self, path: str, on_message: Callable[[int, dict[str, Any]], None], *,
+                 limit: int = MAX_LINE) -> None:
         self.path = path
+        self.limit = limit  # the longest line read, in bytes
         self._on_message = on_message
         self._writers: dict[int, asyncio.StreamWriter] = {}  # pid -> connection
         self._queued: dict[int, list[bytes]] = {}
@@ -28,26 +35,33 @@ class WorkerChannel:
     async def start(self) -> None:
         if os.path.exists(self.path):
             os.unlink(self.path)
-        self._server = await asyncio.start_unix_server(self._serve, path=self.path)
+        self._server = await asyncio.start_unix_server(self._serve, path=self.path, limit=self.limit)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         pid = 0
         try:
-            while line := await reader.readline():
+            while line := await _read_line(reader, lambda: pid, self.limit):
                 try:
                     message = decode(line)
                 except ProtocolError as exc:
-                    log.warning("ignoring a worker message: %s", exc)
+                    log.warning("ignoring a message from worker %s: %s", _who(pid), exc)
                     continue
-                if message["type"] == "hello":
-                    pid = int(message["pid"])
+                if message["type"] == "hello" and not pid:
+                    pid = message["pid"]
                     self._writers[pid] = writer
                     for data in self._queued.pop(pid, []):
                         writer.write(data)
                     await writer.drain()
-                if pid:
+                if not pid:
+                    log.warning("ignoring a %s message from a worker that has not said hello", message["type"])
+                    continue
+                try:
                     self._on_message(pid, message)
+                except Exception:  # a bug in handling one message must not drop the worker
+                    log.exception("handling %s from worker pid %d failed", message["type"], pid)
         except (ConnectionError, OSError):
+            pass
+        except asyncio.CancelledError:  # the agent is closing: end this connection's task quietly
             pass
         finally:
             if pid and self._writers.get(pid) is writer:
@@ -58,7 +72,11 @@ class WorkerChannel:
         return pid in self._writers
 
     def send(self, pid: int, kind: str, **fields: Any) -> None:
-        data = encode(kind, **fields)
+        try:
+            data = encode(kind, **fields)
+        except ProtocolError as exc:  # a bug on this side: say it, the worker waits as if not sent
+            log.error("not sending %s to worker pid %d: %s", kind, pid, exc)
+            return
         writer = self._writers.get(pid)
         if writer is None:
             self._queued.setdefault(pid, []).append(data)
@@ -81,3 +99,35 @@ class WorkerChannel:
         self._writers.clear()
         if os.path.exists(self.path):
             os.unlink(self.path)
+
+
+def _who(pid: int) -> str:
+    return f"pid {pid}" if pid else "(no hello yet)"
+
+
+async def _read_line(reader: asyncio.StreamReader, pid: Callable[[], int], limit: int) -> bytes:
+    """The next line; a line over the limit is read up to its newline, discarded and warned about.
+    Empty bytes at the end of the stream."""
+    while True:
+        try:
+            return await reader.readuntil(b"\n")
+        except asyncio.IncompleteReadError as exc:
+            return exc.partial  # the worker closed its end (a last line without a newline is still read)
+        except asyncio.LimitOverrunError as exc:
+            dropped = await _discard_line(reader, exc.consumed)
+            log.warning("ignoring a message from worker %s: a line of %s bytes is over the limit of %d",
+                        _who(pid()), f"{dropped:,}", limit)
+
+
+async def _discard_line(reader: asyncio.StreamReader, consumed: int) -> int:
+    """Skip the rest of an overlong line, newline included; how many bytes were dropped."""
+    dropped = 0
+    while True:
+        try:
+            chunk = await reader.readuntil(b"\n")
+            return dropped + len(chunk)
+        except asyncio.LimitOverrunError as exc:
+            chunk = await reader.readexactly(exc.consumed)
+            dropped += len(chunk)
+        except asyncio.IncompleteReadError as exc:
+            return dropped + len(exc.partial)

@@ -36,7 +36,7 @@ def _credentials(tmp_path_factory: pytest.TempPathFactory):
 def _runtime_dir(tmp_path, monkeypatch: pytest.MonkeyPatch):
     """Each test gets its own TMRUN_RUNTIME_DIR, so no runtime file leaks between tests."""
     runtime = tmp_path / "runtime"
-    runtime.mkdir()
+    runtime.mkdir(mode=0o700)
     monkeypatch.setenv("TMRUN_RUNTIME_DIR", str(runtime))
     return runtime
 

@@ -93,6 +93,30 @@ BAD_INPUT = [
     ("max-restarts-negative", ["--max-restarts", "-1", "script.py"], {}, 2, ["--max-restarts"]),
     ("rdzv-backend-unknown", ["--rdzv-backend", "zookeeper", "script.py"], {}, 2, ["zookeeper"]),
     ("bad-job-id", ["--rdzv-id", "bad id!", "script.py"], {}, 2, ["--rdzv-id 'bad id!'"]),
+    # numbers: ASCII digits only, finite, within bounds (NaN, "²" and absurd sizes are usage errors)
+    ("nproc-superscript", ["--nproc-per-node", "²", "script.py"], {}, 2, ["--nproc-per-node '²'"]),
+    ("nproc-absurd", ["--nproc-per-node", "100000", "script.py"], {}, 2, ["--nproc-per-node 100000", "0 to 1024"]),
+    ("nproc-huge", ["--nproc-per-node", "9" * 30, "script.py"], {}, 2, ["--nproc-per-node", "0 to 1024"]),
+    ("nnodes-arabic-indic", ["--nnodes", "\u0662", "script.py"], {}, 2, ["--nnodes '\u0662'"]),
+    ("nnodes-absurd", ["--nnodes", "1:1000000000", "script.py"], {}, 2, ["at most 100000 nodes"]),
+    ("standby-absurd", ["--standby", "1000000000", "script.py"], {}, 2, ["--standby", "0 to 100000"]),
+    ("standby-superscript", ["--standby", "²", "script.py"], {}, 2, ["--standby", "'²': expected an integer"]),
+    ("standby-local-too-many", ["--standby", "1000", "script.py"], {}, 2, ["local cluster of 1001 nodes"]),
+    ("standby-nan-from-env", ["script.py"], {"TMRUN_STANDBY": "nan"}, 2, ["--standby", "'nan'"]),
+    ("max-restarts-absurd", ["--max-restarts", "1000000000", "script.py"], {}, 2, ["--max-restarts", "0 to 10000"]),
+    ("monitor-interval-nan", ["--monitor-interval", "nan", "script.py"], {}, 2, ["--monitor-interval", "'nan'"]),
+    ("monitor-interval-inf", ["--monitor-interval", "inf", "script.py"], {}, 2, ["--monitor-interval", "'inf'"]),
+    ("shutdown-timeout-nan", ["--shutdown-timeout", "NaN", "script.py"], {}, 2, ["--shutdown-timeout", "'NaN'"]),
+    ("shutdown-timeout-absurd", ["--shutdown-timeout", "1e300", "script.py"], {}, 2, ["--shutdown-timeout"]),
+    ("master-port-absurd", ["--master-port", "70000", "script.py"], {}, 2, ["--master-port", "0 to 65535"]),
+    ("local-ranks-filter-superscript", ["--local-ranks-filter", "0,²", "script.py"], {}, 2,
+     ["--local-ranks-filter '0,²'"]),
+    ("rdzv-conf-nan", ["--rdzv-conf", "join_timeout=nan", "script.py"], {}, 2, ["join_timeout='nan'"]),
+    ("rdzv-conf-inf", ["--rdzv-conf", "failure_window=inf", "script.py"], {}, 2, ["failure_window='inf'"]),
+    ("rdzv-conf-absurd", ["--rdzv-conf", "join_timeout=1e300", "script.py"], {}, 2, ["join_timeout=1e300"]),
+    ("rdzv-conf-lease-superscript", ["--rdzv-conf", "lease_ttl=\u00b3", "script.py"], {}, 2, ["lease_ttl="]),
+    ("status-timeout-nan", ["status", "--store-timeout", "nan"], {}, 2, ["--store-timeout", "'nan'"]),
+    ("drain-timeout-inf", ["drain", "n", "--timeout", "inf"], {}, 2, ["--timeout", "'inf'"]),
     ("status-no-job", ["status"], {}, 5, ["no running tmrun job"]),
     ("status-unknown-job", ["status", "--job", "nope"], {}, 5, ["no running job named 'nope'"]),
     ("events-no-job", ["events"], {}, 5, ["no running tmrun job"]),
@@ -116,7 +140,8 @@ def test_bad_input_in_process(argv, env, code, parts, monkeypatch, capsys) -> No
 # A real process for one case of each kind of error (a process costs about half a second).
 IN_A_PROCESS = [c for c in BAD_INPUT if c[0] in {
     "nnodes-min-above-max", "nnodes-from-env", "unknown-flag", "missing-script", "nproc-zero-underscores",
-    "max-restarts-negative", "status-no-job", "drain-no-node"}]
+    "max-restarts-negative", "status-no-job", "drain-no-node", "nproc-superscript", "monitor-interval-nan",
+    "standby-absurd"}]
 
 
 @pytest.mark.parametrize(("argv", "env", "code", "parts"), [c[1:] for c in IN_A_PROCESS],

@@ -4,11 +4,14 @@ The embedded etcd of a local cluster is SIGKILLed mid-run: the launcher starts i
 data directory, no worker stops or restarts, every step commits exactly once, a drain right after
 is a hot swap, and the weights equal an uninterrupted run's. An etcd that stays away longer than
 the outage bound ends a node-mode job cleanly: exit 3, one clear line, the workers stopped with
-SIGTERM (their last words reach the output), nothing left running.
+SIGTERM (their last words reach the output), nothing left running. Junk written under the job's
+prefix while it runs (a value that is not JSON, a node record of the wrong shape) is skipped with
+a warning: status and drain answer, the job ends as it should, and no traceback is printed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -18,6 +21,8 @@ import signal
 import pytest
 
 from agent.etcd_server import EmbeddedEtcd
+from agent.etcd_store import EtcdStore, parse_endpoint
+from agent.keys import JobKeys
 from tests.harness import FAST, alive, assert_same_weights, descendants, job_ref, run_tmrun, wait_status
 from tests.test_e2e_hot_swap import JOB, PACE, _events, _reference
 
@@ -93,3 +98,44 @@ def test_etcd_away_past_the_outage_bound_ends_the_job_cleanly(jobs, tmp_path):
         assert re.search(r"stopping the workers", line.string)
     finally:
         server.stop()
+
+
+async def _plant_junk(ref) -> None:
+    """What a stray ``etcdctl put`` could leave under the job's prefix."""
+    keys = JobKeys(ref.job)
+    store = EtcdStore(parse_endpoint(ref.endpoint), retry_deadline=5)
+    try:
+        await store.put_raw(keys.root + "junk", b"not json")
+        await store.put(keys.node("intruder"), {"v": 1})  # a node record of the wrong shape
+        await store.put(keys.request("bogus"), {"v": 1, "id": "bogus", "kind": "drain", "node": 3, "created": 0})
+        await store.put_raw(keys.event(1), b'{"v": 1, "at": NaN}')
+    finally:
+        await store.close()
+
+
+@pytest.mark.timeout(240)
+def test_junk_under_the_job_prefix_does_not_stop_the_job(jobs, tmp_path):
+    job = jobs(["--nnodes", "2", "--standby", "1", "--rdzv-conf", FAST, str(JOB), str(tmp_path / "final.pt"),
+                "--steps", "160", *PACE])
+    ref = job_ref(job)
+    wait_status(ref, lambda d: d["hot_swap"] and any(n["state"] == "shadow" for n in d["nodes"]), 90)
+    job.track()
+    asyncio.run(_plant_junk(ref))
+
+    status = run_tmrun(["status"], cwd=tmp_path)
+    assert status.returncode == 0, status.stderr
+    assert "node-0" in status.stdout and "intruder" not in status.stdout
+    assert f"ignoring /tmrun/{ref.job}/junk" in status.stderr and "Traceback" not in status.stderr
+    refused = run_tmrun(["drain", "intruder"], cwd=tmp_path)
+    assert refused.returncode == 4 and "unknown node 'intruder'" in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr
+    drained = run_tmrun(["drain", "node-1"], cwd=tmp_path, timeout=120)
+    assert drained.returncode == 0 and "hot swap" in drained.stderr, drained.stderr
+    assert "Traceback" not in drained.stderr
+
+    assert job.wait(150) == 0, job.err.text()[-4000:]
+    out, err = job.out.text(), job.err.text()
+    assert "Traceback" not in out + err, err[-4000:]
+    assert "succeeded" in err
+    warned = [line for line in err.splitlines() if f"ignoring /tmrun/{ref.job}/junk" in line]
+    assert 1 <= len(warned) <= 4, warned  # once per process that read it (agents, launcher), not a flood

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from agent.errors import HistoryError, JobNotFound, StoreError, TmrunError
-from agent.history import (default_log_root, history_path, list_histories, load_history, read_events,
+from agent import history
+from agent.history import (append_event, default_log_root, history_path, list_histories, load_history, read_events,
                            save_history)
 from agent.keys import JobKeys
 from agent.memory_store import MemoryStore
@@ -26,6 +27,25 @@ from tmrun.cli import main
 pytestmark = pytest.mark.timeout(30)
 
 JOB = "hist-unit"
+
+
+def test_events_are_capped_to_the_latest(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(history, "MAX_EVENTS", 5)
+    keys = JobKeys(JOB)
+
+    async def go() -> tuple[list[dict], dict]:
+        store = MemoryStore()
+        await store.put(keys.plan, {"v": 1})  # other keys are never touched
+        for seq in range(1, 13):
+            await append_event(store, keys, seq, EventRecord(float(seq), "start", f"event {seq}", seq))
+        await append_event(store, keys, 12, EventRecord(99.0, "swap", "again", 12), once=True)  # kept the first
+        await append_event(store, keys, 13, EventRecord(13.0, "swap", "event 13", 13), once=True)
+        entries, _ = await store.get_prefix(keys.root)
+        return await read_events(store, JOB), entries
+
+    rows, entries = asyncio.run(go())
+    assert [row["text"] for row in rows] == [f"event {seq}" for seq in range(9, 14)]
+    assert keys.plan in entries and len(entries) == 6
 
 
 def _fill(store: MemoryStore, job: str = JOB, *, outcome: bool = True) -> None:
@@ -162,7 +182,7 @@ ROW = json.dumps(EventRecord(1.0, "start", "generation 1", 1).to_dict())
     (json.dumps({"v": 1, "job": JOB, "outcome": {"v": 1, "state": "succeeded"}}) + "\n", "line 1: Outcome"),
     (HEADER + "\n" + ROW + "\n" + "{\"v\": 1, \"kind\": \"x\"}\n", "line 3: EventRecord"),
     (HEADER + "\n" + json.dumps({"v": 1, "at": "noon", "kind": "start", "text": "", "gen": 1}) + "\n",
-     "line 2: not an event"),
+     "line 2: EventRecord.at: 'noon' is not float"),
     (HEADER + "\n" + ROW + "\ntruncated", "line 3: not JSON"),
 ])
 def test_malformed_file(tmp_path: Path, text: str, part: str) -> None:

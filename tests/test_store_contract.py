@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import uuid
 from typing import AsyncIterator, Awaitable, Callable
 
@@ -91,6 +92,49 @@ def test_values_round_trip_through_json(backend: Backend, prefix: str) -> None:
             await store.put(prefix + "bad", ["not", "a", "dict"])
 
     run(backend, body)
+
+
+JUNK = {
+    "text": b"not json",
+    "list": b"[1, 2]",
+    "number": b"42",
+    "nan": b'{"x": NaN}',
+    "overflow": b'{"x": 1e999}',
+    "latin1": b'{"x": "\xe9"}',
+    "deep": b"[" * 100_000 + b"]" * 100_000,
+    "empty": b"",
+}
+
+
+def test_values_that_are_not_json_objects_are_skipped_with_one_warning(
+        backend: Backend, prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+    async def body(store: Store) -> None:
+        first = await store.put(prefix + "a", {"n": 1})
+        for name, data in JUNK.items():
+            await store.put_raw(prefix + name, data)
+        await store.put(prefix + "z", {"n": 2})
+        for _ in range(2):  # a loop reads the same junk again: no second warning
+            for name in JUNK:
+                assert await store.get(prefix + name) is None
+            entries, _ = await store.get_prefix(prefix)
+            assert sorted(entries) == [prefix + "a", prefix + "z"]
+        watch = await store.watch_prefix(prefix, start_revision=first)
+        events = aiter(watch)
+        assert brief(await take(events, 2)) == [("put", prefix + "a", {"n": 1}), ("put", prefix + "z", {"n": 2})]
+        await store.put_raw(prefix + "text", b"still not json")
+        await store.put(prefix + "text", {"n": 3})  # the same key, a good value again: the watch is alive
+        assert brief(await take(events, 1)) == [("put", prefix + "text", {"n": 3})]
+        assert (await store.get(prefix + "text")).value == {"n": 3}
+        await watch.cancel()
+        with pytest.raises(ValueError):
+            await store.put(prefix + "bad", {"x": float("nan")})  # nothing unreadable is written
+
+    with caplog.at_level(logging.WARNING, logger="tmrun.store"):
+        run(backend, body)
+    warned = [r.getMessage() for r in caplog.records if r.name == "tmrun.store"]
+    for name in JUNK:  # "text" was junk at two revisions: two warnings
+        assert sum(f"ignoring {prefix}{name} " in line for line in warned) == (2 if name == "text" else 1), warned
+    assert len(warned) == len(JUNK) + 1 and all("\n" not in line for line in warned)
 
 
 def test_get_prefix_returns_entries_and_revision(backend: Backend, prefix: str) -> None:

@@ -16,8 +16,8 @@ from agent.changes import Changes
 from agent.errors import JobNotFound, RequestRejected, TmrunError, UnknownNode
 from agent.history import read_events
 from agent.keys import JobKeys
-from agent.records import NodeRecord, Outcome, Plan, RecordError, Request
-from agent.store import Store
+from agent.records import NodeRecord, Outcome, Plan, Request, parse
+from agent.store import Entry, Store
 
 STATUS_SCHEMA = 1
 
@@ -28,17 +28,10 @@ async def status(store: Store, job: str) -> dict[str, Any]:
     entries, _ = await store.get_prefix(keys.root)
     if not entries:
         raise JobNotFound(f"no job {job!r} at {store.endpoint}")
-    plan = Plan.from_dict(entries[keys.plan].value) if keys.plan in entries else None
-    outcome = Outcome.from_dict(entries[keys.outcome].value) if keys.outcome in entries else None
-    leader = entries.get(keys.leader)
-    alive: dict[str, NodeRecord] = {}
-    for key, entry in entries.items():
-        if keys.relative(key).startswith("nodes/"):
-            try:
-                rec = NodeRecord.from_dict(entry.value)
-                alive[rec.node] = rec
-            except RecordError:
-                continue
+    plan = parse(Plan, entries.get(keys.plan))
+    outcome = parse(Outcome, entries.get(keys.outcome))
+    leader = entries[keys.leader].value.get("node") if keys.leader in entries else None
+    alive = _node_records(keys, entries)
     names = list(plan.members) if plan else []
     names += sorted(n for n in alive if n not in names)
     names += sorted(n for n in (plan.out if plan else {}) if n not in names)
@@ -50,7 +43,7 @@ async def status(store: Store, job: str) -> dict[str, Any]:
         "endpoint": store.endpoint,
         "state": state,
         "outcome": outcome.to_dict() if outcome else None,
-        "leader": leader.value.get("node") if leader else None,
+        "leader": leader if isinstance(leader, str) else None,
         "generation": plan.gen if plan else 0,
         "world_size": plan.world_size if plan else 0,
         "restarts": plan.restarts if plan else 0,
@@ -105,11 +98,22 @@ async def events(store: Store, job: str) -> list[dict[str, Any]]:
     return await read_events(store, job)
 
 
+def _node_records(keys: JobKeys, entries: dict[str, Entry]) -> dict[str, NodeRecord]:
+    """The node records that parse and name the node of their key; others are skipped (warned once)."""
+    found = {}
+    for key, entry in entries.items():
+        name = keys.relative(key)[len("nodes/"):] if keys.relative(key).startswith("nodes/") else None
+        rec = parse(NodeRecord, entry) if name else None
+        if rec is not None and rec.node == name:
+            found[name] = rec
+    return found
+
+
 async def known_nodes(store: Store, job: str) -> tuple[set[str], Plan | None]:
     keys = JobKeys(job)
     entries, _ = await store.get_prefix(keys.root)
-    plan = Plan.from_dict(entries[keys.plan].value) if keys.plan in entries else None
-    names = {keys.relative(k)[len("nodes/"):] for k in entries if keys.relative(k).startswith("nodes/")}
+    plan = parse(Plan, entries.get(keys.plan))
+    names = set(_node_records(keys, entries))
     if plan is not None:
         names |= set(plan.members) | set(plan.out)
     return names, plan
@@ -124,7 +128,7 @@ async def drain(store: Store, job: str, node: str, *, wait: bool, timeout: float
     if node not in names:
         listed = ", ".join(sorted(names)) or "none"
         raise UnknownNode(f"unknown node {node!r} in job {job} (nodes: {listed})")
-    if await store.get(keys.outcome) is not None:
+    if parse(Outcome, await store.get(keys.outcome)) is not None:
         raise TmrunError(f"job {job} has already ended")
     _, revision = await store.get_prefix(keys.root)
     changes = Changes(store, keys.root)
@@ -138,7 +142,7 @@ async def drain(store: Store, job: str, node: str, *, wait: bool, timeout: float
         while True:
             seen = changes.version
             entry = await store.get(keys.request(request.id))
-            current = Request.from_dict(entry.value) if entry else request
+            current = parse(Request, entry) or request
             if answered is None and current.state != "pending":
                 answered = current
                 if current.state == "rejected":
@@ -152,7 +156,7 @@ async def drain(store: Store, job: str, node: str, *, wait: bool, timeout: float
             if answered is not None and rejoin and await _back_in_pool(store, keys, node):
                 progress(f"{node} is back in the pool as a standby")
                 return answered.answer
-            if await store.get(keys.outcome) is not None and answered is None:
+            if answered is None and parse(Outcome, await store.get(keys.outcome)) is not None:
                 raise TmrunError(f"job {job} ended before the drain was answered")
             left = deadline - time.monotonic()
             if left <= 0:
@@ -164,10 +168,10 @@ async def drain(store: Store, job: str, node: str, *, wait: bool, timeout: float
 
 
 async def _back_in_pool(store: Store, keys: JobKeys, node: str) -> bool:
-    plan_entry, node_entry = await store.get(keys.plan), await store.get(keys.node(node))
-    if plan_entry is None or node_entry is None:
+    plan, rec = parse(Plan, await store.get(keys.plan)), parse(NodeRecord, await store.get(keys.node(node)))
+    if plan is None or rec is None:
         return False
-    return Plan.from_dict(plan_entry.value).rejoined(node, NodeRecord.from_dict(node_entry.value).run_state)
+    return plan.rejoined(node, rec.run_state)
 
 
 def run(coro):

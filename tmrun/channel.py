@@ -3,20 +3,29 @@
 A background thread reads lines from the agent and queues them; the step loop polls the queue at
 iteration boundaries (never blocking training) or waits on it when it has nothing else to do (a
 standby waiting to be promoted, survivors waiting for the next generation).
+
+A line from the agent that is not a valid message, or is longer than
+:data:`tmrun.protocol.MAX_LINE`, is skipped with one warning (logger ``tmrun.worker``, which
+reaches stderr when the script configures no logging); the connection stays open.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import queue
 import socket
 import threading
-from typing import Any
+from typing import Any, BinaryIO
 
-from tmrun.protocol import ProtocolError, decode, encode
+from tmrun.protocol import MAX_LINE, ProtocolError, decode, encode
+
+log = logging.getLogger("tmrun.worker")
 
 
 class AgentChannel:
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, limit: int = MAX_LINE) -> None:
+        self.limit = limit  # the longest line read, in bytes
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.connect(path)
         self._lock = threading.Lock()
@@ -27,17 +36,35 @@ class AgentChannel:
     def _read(self) -> None:
         stream = self._sock.makefile("rb")
         try:
-            for line in stream:
+            while line := self._read_line(stream):
                 try:
                     self._inbox.put(decode(line))
-                except ProtocolError:
-                    continue
+                except ProtocolError as exc:
+                    log.warning("worker pid %d: ignoring a message from the agent: %s", os.getpid(), exc)
         except OSError:
             pass
         self._inbox.put(None)  # the agent is gone
 
+    def _read_line(self, stream: BinaryIO) -> bytes | None:
+        """The next line within the limit (an overlong one is skipped, warned about); None at the end."""
+        while True:
+            line = stream.readline(self.limit + 1)
+            if not line:
+                return None
+            if len(line) <= self.limit:
+                return line
+            dropped = len(line)
+            while not line.endswith(b"\n") and (line := stream.readline(self.limit + 1)):
+                dropped += len(line)
+            log.warning("worker pid %d: ignoring a message from the agent: a line of %s bytes is over the limit "
+                        "of %d", os.getpid(), f"{dropped:,}", self.limit)
+
     def send(self, kind: str, **fields: Any) -> None:
-        data = encode(kind, **fields)
+        try:
+            data = encode(kind, **fields)
+        except ProtocolError as exc:  # a bug on this side; training goes on without the message
+            log.error("worker pid %d: not sending %s to the agent: %s", os.getpid(), kind, exc)
+            return
         with self._lock:
             try:
                 self._sock.sendall(data)

@@ -25,7 +25,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from agent.config import AgentConfig, WorkerSpec, parse_nnodes, parse_rdzv_conf, timeouts_from_conf, KNOWN_RDZV_CONF
+from agent.config import (KNOWN_RDZV_CONF, MAX_NODES, MAX_NPROC, MAX_RESTARTS, AgentConfig, WorkerSpec, parse_int,
+                          parse_nnodes, parse_rdzv_conf, parse_seconds, timeouts_from_conf)
 from agent.errors import ConfigError, JobNotFound, TmrunError
 from agent.output import parse_std_spec
 from agent.slurm import detect_slurm
@@ -36,7 +37,8 @@ EXIT_CODES = {
     0: "success (the job succeeded; a drain completed)",
     1: "the job failed (a worker failed beyond the standby pool and --max-restarts, a worker failed after the "
        "job's last step, or rendezvous timed out)",
-    2: "usage error: unknown or malformed flag, missing script, inconsistent values",
+    2: "usage error: unknown or malformed flag, missing script, inconsistent values; a runtime, credential or "
+       "etcd data directory that is not the user's own or is open to others",
     3: "etcd is unreachable (after bounded retries), or stayed unreachable for longer than the outage bound "
        "while the job ran (the workers were stopped cleanly)",
     4: "unknown node",
@@ -46,6 +48,7 @@ EXIT_CODES = {
     143: "terminated (SIGTERM)",
 }
 SUBCOMMANDS = ("status", "drain", "events")
+MAX_LOCAL_NODES = 256  # a local cluster runs one agent process per node on this machine
 
 LAUNCH = "Launch"
 RDZV = "Rendezvous (etcd)"
@@ -86,6 +89,24 @@ def _opt(*names: str, env: str | None = None, panel: str = LAUNCH, help: str = "
     return typer.Option(*names, envvar=env, rich_help_panel=panel, help=help, show_envvar=bool(env), **kw)
 
 
+def _integer(low: int, high: int):
+    """A typer parser: an integer in [low, high], in ASCII digits (a usage error, exit 2, otherwise)."""
+    def parse(text) -> int:
+        try:
+            return parse_int(str(text), "", low, high)
+        except ConfigError as exc:
+            raise typer.BadParameter(str(exc).strip()) from None
+    return parse
+
+
+def _seconds(text) -> float:
+    """A typer parser: a finite, non-negative number of seconds (no NaN, no infinity)."""
+    try:
+        return parse_seconds(str(text), "")
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc).strip()) from None
+
+
 @launch_app.command(help="Launch SCRIPT on every node, with standby nodes ready to take over. "
                     "Subcommands: tmrun status | drain NODE | events (see tmrun status --help).")
 def launch(
@@ -96,12 +117,12 @@ def launch(
     nproc_per_node: Annotated[str, _opt("--nproc-per-node", "--nproc_per_node", env="PET_NPROC_PER_NODE",
                                         help="Workers per node: an integer, auto, cpu or gpu.")] = "1",
     standby: Annotated[int, _opt("--standby", env="TMRUN_STANDBY", help="Standby nodes kept ready (local cluster: "
-                                 "started on this machine).", min=0)] = 0,
+                                 "started on this machine).", parser=_integer(0, MAX_NODES))] = 0,
     node_name: Annotated[Optional[str], _opt("--node-name", env="TMRUN_NODE_NAME",
                                              help="This node's name in the job (default: hostname).")] = None,
     max_restarts: Annotated[int, _opt("--max-restarts", "--max_restarts", env="PET_MAX_RESTARTS",
                                       help="In-place restarts allowed for the whole job once no standby is left.",
-                                      min=0)] = 0,
+                                      parser=_integer(0, MAX_RESTARTS))] = 0,
     role: Annotated[str, _opt("--role", env="PET_ROLE", help="Worker role name (ROLE_NAME).")] = "default",
     module: Annotated[bool, _opt("-m", "--module", env="PET_MODULE", help="Run SCRIPT as a module (python -m).")] = False,
     no_python: Annotated[bool, _opt("--no-python", "--no_python", env="PET_NO_PYTHON",
@@ -138,10 +159,10 @@ def launch(
                                             env="PET_LOCAL_RANKS_FILTER", panel=LOGS,
                                             help="Only these local ranks reach the console, e.g. 0,1.")] = "",
     shutdown_timeout: Annotated[Optional[float], _opt("--shutdown-timeout", "--shutdown_timeout",
-                                                      env="PET_SHUTDOWN_TIMEOUT",
+                                                      env="PET_SHUTDOWN_TIMEOUT", parser=_seconds,
                                                       help="Seconds from SIGTERM to SIGKILL for workers.")] = None,
     monitor_interval: Annotated[float, _opt("--monitor-interval", "--monitor_interval", env="PET_MONITOR_INTERVAL",
-                                            panel=TORCHRUN)] = 0.1,
+                                            panel=TORCHRUN, parser=_seconds)] = 0.1,
     start_method: Annotated[str, _opt("--start-method", "--start_method", env="PET_START_METHOD",
                                       panel=TORCHRUN)] = "spawn",
     event_log_handler: Annotated[str, _opt("--event-log-handler", "--event_log_handler",
@@ -159,10 +180,12 @@ def launch(
                                                   env="PET_DUPLICATE_STDERR_FILTERS", panel=TORCHRUN)] = "",
     virtual_local_rank: Annotated[bool, _opt("--virtual-local-rank", "--virtual_local_rank",
                                              env="PET_VIRTUAL_LOCAL_RANK", panel=TORCHRUN)] = False,
-    node_rank: Annotated[int, _opt("--node-rank", "--node_rank", env="PET_NODE_RANK", panel=TORCHRUN)] = 0,
+    node_rank: Annotated[int, _opt("--node-rank", "--node_rank", env="PET_NODE_RANK", panel=TORCHRUN,
+                                   parser=_integer(0, MAX_NODES))] = 0,
     master_addr: Annotated[str, _opt("--master-addr", "--master_addr", env="PET_MASTER_ADDR",
                                      panel=TORCHRUN)] = "127.0.0.1",
-    master_port: Annotated[int, _opt("--master-port", "--master_port", env="PET_MASTER_PORT", panel=TORCHRUN)] = 29500,
+    master_port: Annotated[int, _opt("--master-port", "--master_port", env="PET_MASTER_PORT", panel=TORCHRUN,
+                                     parser=_integer(0, 65535))] = 29500,
 ) -> int:
     for name, why in NO_EFFECT.items():
         if _set_by_user(ctx, name):
@@ -227,6 +250,9 @@ def _launch_local(rdzv_id: str, standby: int, common: dict) -> int:
     creds = _user_credentials()
     common = {**common, **_client_files(creds)}
     total = common["max_nodes"] + standby
+    if total > MAX_LOCAL_NODES:
+        raise ConfigError(f"a local cluster of {total} nodes (--nnodes plus --standby) would run {total} agents on "
+                          f"this machine; at most {MAX_LOCAL_NODES}")
     configs = [AgentConfig(job_id=job, node=f"node-{i}", host="127.0.0.1", endpoint="",
                            standby_hint=i >= common["max_nodes"], **common) for i in range(total)]
     return run_local_cluster(configs, runtime_dir(os.environ), console.info, _log_root(common["worker"]), creds)
@@ -310,8 +336,10 @@ def _etcd_member_host(slurm, job: str, name: str, address: str, lease_ttl: int, 
     """This node's part in the job's embedded etcd cluster (agent/etcd_cluster.py), closed by TLS."""
     from agent.etcd_cluster import layout_for
     from agent.etcd_member import MemberHost
+    from agent.shared_dirs import private_dir
 
     data_root = Path(os.environ.get("TMPDIR") or tempfile.gettempdir()) / f"tmrun-{job}"
+    private_dir(data_root, "remove it, or set TMPDIR to a directory of your own")  # its name is easy to guess
     return MemberHost(layout_for(slurm, tls=True), name, address, data_root, report=console.warning,
                       grace=2.0 * lease_ttl + 2, credentials=creds)
 
@@ -322,8 +350,9 @@ def _check_job_id(job: str) -> None:
 
 
 def _nproc(text: str) -> int:
-    if text.isdigit():
-        return int(text)
+    text = text.strip()
+    if re.fullmatch(r"[0-9]+", text):
+        return parse_int(text, "--nproc-per-node", 0, MAX_NPROC)
     if text in ("auto", "gpu", "cpu"):
         if text == "cpu":
             return os.cpu_count() or 1
@@ -341,9 +370,10 @@ def _ranks_filter(text: str) -> tuple[int, ...]:
     if not text.strip():
         return ()
     try:
-        return tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise ConfigError(f"--local-ranks-filter {text!r}: expected a comma-separated list of integers") from None
+        return tuple(parse_int(part, "", 0, MAX_NPROC - 1) for part in text.split(","))
+    except ConfigError:
+        raise ConfigError(f"--local-ranks-filter {text!r}: expected a comma-separated list of local ranks "
+                          f"(0 to {MAX_NPROC - 1})") from None
 
 
 def _worker_argv(script: str, args: list[str], module: bool, no_python: bool) -> tuple[str, ...]:
@@ -368,7 +398,8 @@ JobOpt = Annotated[Optional[str], typer.Option("--job", "--rdzv-id", envvar="TMR
 EndpointOpt = Annotated[Optional[str], typer.Option("--rdzv-endpoint", envvar="TMRUN_ENDPOINT",
                                                     help="etcd endpoint of the job (default: local runtime file, "
                                                     "or the SLURM allocation's).")]
-TimeoutOpt = Annotated[float, typer.Option("--store-timeout", help="Seconds to retry etcd before giving up.")]
+TimeoutOpt = Annotated[float, typer.Option("--store-timeout", help="Seconds to retry etcd before giving up.",
+                                           parser=_seconds)]
 
 
 def _job_ref(job: str | None, endpoint: str | None) -> JobRef:
@@ -421,7 +452,8 @@ def drain_cmd(node: Annotated[str, typer.Argument(help="Node name, as in tmrun s
               no_wait: Annotated[bool, typer.Option("--no-wait", help="Return once the leader accepted.")] = False,
               rejoin: Annotated[bool, typer.Option("--rejoin", help="The node comes back to the pool as a standby "
                                                    "instead of leaving the job.")] = False,
-              timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for the node to leave.")] = 600.0,
+              timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for the node to leave.",
+                                                     parser=_seconds)] = 600.0,
               store_timeout: TimeoutOpt = 10.0) -> int:
     from tmrun import admin
 

@@ -4,6 +4,11 @@ A local cluster writes ``<runtime dir>/<job>.json`` (endpoint, pid, start time) 
 removes it on exit; ``tmrun status`` / ``drain`` / ``events`` read these files when no endpoint
 is given. A file whose pid is gone is stale and is ignored (and removed). Under SLURM the job id
 and endpoint come from the allocation instead.
+
+The default directory is in ``/tmp``, where anyone can create it first: it is made with mode 0700,
+an existing one is used only if it is this user's and not writable by others, files are written
+through a fresh temporary file and a rename, and read only when they are regular files of this
+user (a planted symbolic link is ignored, never followed): :mod:`agent.shared_dirs`.
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ from pathlib import Path
 from typing import Mapping
 
 from agent.errors import JobNotFound
+from agent.shared_dirs import check_private_dir, private_dir, read_private_file, write_private_file
 
 SCHEMA = 1
+HINT = "remove it, or choose another directory with TMRUN_RUNTIME_DIR"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,12 +44,9 @@ def runtime_dir(environ: Mapping[str, str]) -> Path:
 
 
 def write_runtime_file(directory: Path, job: str, endpoint: str, pid: int, started: float) -> Path:
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    path = directory / f"{job}.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"v": SCHEMA, "job": job, "endpoint": endpoint, "pid": pid, "started": started}))
-    os.replace(tmp, path)
-    return path
+    private_dir(directory, HINT)
+    data = json.dumps({"v": SCHEMA, "job": job, "endpoint": endpoint, "pid": pid, "started": started})
+    return write_private_file(directory, f"{job}.json", data.encode())
 
 
 def _alive(pid: int) -> bool:
@@ -58,18 +62,23 @@ def _alive(pid: int) -> bool:
 def running_jobs(directory: Path) -> list[JobRef]:
     """Jobs with a live runtime file, oldest first."""
     found: list[tuple[float, JobRef]] = []
-    if not directory.is_dir():
+    if not os.path.lexists(directory):
         return []
+    check_private_dir(directory, HINT)
     for path in directory.glob("*.json"):
+        raw = read_private_file(path)
+        if raw is None:  # a link, not a regular file, or someone else's: not ours to read
+            continue
         try:
-            data = json.loads(path.read_text())
-            if data.get("v") != SCHEMA:
+            data = json.loads(raw)
+            if not isinstance(data, dict) or data.get("v") != SCHEMA:
                 continue
-            if not _alive(int(data["pid"])):
+            pid = int(data["pid"])
+            if pid <= 0 or not _alive(pid):
                 path.unlink(missing_ok=True)
                 continue
-            found.append((float(data["started"]), JobRef(data["job"], data["endpoint"])))
-        except (OSError, ValueError, KeyError):
+            found.append((float(data["started"]), JobRef(str(data["job"]), str(data["endpoint"]))))
+        except (OSError, ValueError, KeyError, TypeError, OverflowError):
             continue
     return [ref for _, ref in sorted(found, key=lambda item: item[0])]
 

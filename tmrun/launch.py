@@ -32,7 +32,7 @@ from agent.etcd_server import EmbeddedEtcd
 from agent.history import save_history
 from agent.keys import JobKeys
 from agent.node import HANDLED_SIGNALS, make_store, run_agent
-from agent.records import Outcome
+from agent.records import Outcome, parse
 from agent.workers import die_with_parent
 from tmrun.jobs import write_runtime_file
 
@@ -45,7 +45,7 @@ async def _read_outcome(cfg: AgentConfig) -> Outcome | None:
     store = make_store(dataclasses.replace(cfg, timeouts=dataclasses.replace(cfg.timeouts, store_retry=2.0)))
     try:
         entry = await store.get(JobKeys(cfg.job_id).outcome)
-        return Outcome.from_dict(entry.value) if entry else None
+        return parse(Outcome, entry)
     except StoreError:
         return None
     finally:

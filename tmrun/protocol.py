@@ -26,14 +26,23 @@ Agent → worker:
 - ``leave``     {gen, rejoin[, store_host, store_port]}: this worker is not part of ``gen``; vote
   for the switch, then exit 0 (``rejoin``: wait as a standby for the next ``prepare`` instead). With a store: first build the handover pair with the joiner that takes
   this rank and, at the switch, send it the tracked state.
+
+
+Every message is checked against its schema (:data:`FIELDS`) when it is decoded: a required field
+missing or of the wrong type, or an optional one of the wrong type, is a :class:`ProtocolError`;
+fields not listed are passed through. A line is at most :data:`MAX_LINE` bytes: a ``switched``
+message lists its sources (a few bytes per rank), over 64 KiB at about 13,000 ranks. Both ends
+skip a bad line with a warning and keep the connection.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+import math
+from typing import Any, Callable
 
 SCHEMA = 1
+MAX_LINE = 16 * 1024 * 1024  # bytes; a longer line is discarded
 WORKER_TYPES = frozenset({"hello", "progress", "ready", "switched", "broken"})
 AGENT_TYPES = frozenset({"prepare", "leave"})
 
@@ -42,19 +51,100 @@ class ProtocolError(ValueError):
     """A line that is not a message of this schema."""
 
 
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive(value: Any) -> bool:
+    return _int(value) and value > 0
+
+
+def _number(value: Any) -> bool:
+    return (_int(value) or isinstance(value, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _number_or_none(value: Any) -> bool:
+    return value is None or _number(value)
+
+
+def _str(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _ints(value: Any) -> bool:
+    return isinstance(value, list) and all(_int(item) for item in value)
+
+
+def _mode(value: Any) -> bool:
+    return value in ("agreed", "now")
+
+
+Check = Callable[[Any], bool]
+# type -> (required fields, optional fields), each field with its check
+FIELDS: dict[str, tuple[dict[str, Check], dict[str, Check]]] = {
+    "hello": ({"rank": _int, "pid": _positive}, {"role": _str}),
+    "progress": ({"step": _int, "step_time": _number, "gen": _int}, {}),
+    "ready": ({"gen": _int}, {}),
+    "switched": ({"gen": _int, "step": _int},
+                 {"stall": _number, "build": _number, "transfer": _number, "bytes_received": _int,
+                  "from_leaver": _int, "handover_s": _number, "sources": _ints, "phase1_steps": _int,
+                  "phase1_step_time": _number_or_none, "normal_step_time": _number_or_none, "left": _bool,
+                  "rejoin": _bool, "bytes_sent": _int}),
+    "broken": ({"gen": _int, "step": _int, "error": _str}, {}),
+    "prepare": ({"gen": _int, "rank": _int, "world_size": _positive, "store_host": _str, "store_port": _positive,
+                 "mode": _mode, "handover": _bool}, {}),
+    "leave": ({"gen": _int}, {"rejoin": _bool, "store_host": _str, "store_port": _positive}),
+}
+assert set(FIELDS) == WORKER_TYPES | AGENT_TYPES
+
+
+def check(message: dict[str, Any]) -> dict[str, Any]:
+    """``message`` if it matches its type's schema; ProtocolError naming what is wrong otherwise."""
+    kind = message.get("type")
+    if type(message.get("v")) is not int or message["v"] != SCHEMA:
+        raise ProtocolError(f"unsupported schema version {message.get('v')!r}")
+    if kind not in FIELDS:
+        raise ProtocolError(f"unknown message type {_brief(kind)}")
+    required, optional = FIELDS[kind]
+    for name, ok in required.items():
+        if name not in message:
+            raise ProtocolError(f"{kind}: field {name!r} is missing")
+        if not ok(message[name]):
+            raise ProtocolError(f"{kind}: field {name!r} has a bad value {_brief(message[name])}")
+    for name, ok in optional.items():
+        if name in message and not ok(message[name]):
+            raise ProtocolError(f"{kind}: field {name!r} has a bad value {_brief(message[name])}")
+    return message
+
+
+def _brief(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def encode(kind: str, **fields: Any) -> bytes:
-    if kind not in WORKER_TYPES | AGENT_TYPES:
-        raise ProtocolError(f"unknown message type {kind!r}")
-    return (json.dumps({"v": SCHEMA, "type": kind, **fields}, separators=(",", ":")) + "\n").encode()
+    """One line; ProtocolError if it does not match the schema (a bug of the sender)."""
+    message = check({"v": SCHEMA, "type": kind, **fields})
+    data = (json.dumps(message, separators=(",", ":"), allow_nan=False) + "\n").encode()
+    if len(data) > MAX_LINE:
+        raise ProtocolError(f"{kind}: {len(data)} bytes is over the line limit of {MAX_LINE}")
+    return data
 
 
 def decode(line: bytes | str) -> dict[str, Any]:
+    """The message on ``line``; ProtocolError saying what is wrong with it otherwise."""
     try:
-        message = json.loads(line)
-    except ValueError as exc:
-        raise ProtocolError(f"not JSON: {line[:80]!r}") from exc
-    if not isinstance(message, dict) or message.get("v") != SCHEMA:
-        raise ProtocolError(f"unsupported message: {str(line)[:80]}")
-    if message.get("type") not in WORKER_TYPES | AGENT_TYPES:
-        raise ProtocolError(f"unknown message type {message.get('type')!r}")
-    return message
+        message = json.loads(line, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:
+        raise ProtocolError(f"not JSON: {_brief(line[:60])}") from None
+    if not isinstance(message, dict):
+        raise ProtocolError(f"not a JSON object: {_brief(line[:60])}")
+    return check(message)
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not JSON")
