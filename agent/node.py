@@ -342,6 +342,9 @@ class NodeAgent:
             self._ready_at[int(message["gen"])] = time.time()
         elif kind == "switched" and message.get("left"):
             self._progress_at = None
+            if message.get("handover_error"):
+                log.warning("%s worker %d: no handover to the joiner in generation %s: %s", self.cfg.node, pid,
+                            message.get("gen"), str(message["handover_error"])[:300])
             if message.get("rejoin"):  # the leaver's workers are standbys again, warm, in the same processes
                 log.info("%s worker %d left generation %s and waits as a standby", self.cfg.node, pid, message.get("gen"))
                 self._shadow, self._group_gen = True, 0
@@ -349,6 +352,9 @@ class NodeAgent:
                 self._dirty.set()
         elif kind == "switched":
             self._progress_at = time.monotonic()
+            if message.get("handover_error"):
+                log.warning("%s worker %d: the handover failed, state from the replicas: %s", self.cfg.node, pid,
+                            str(message["handover_error"])[:300])
             fields = {k: v for k, v in message.items() if k not in ("v", "type")}
             gen = int(fields.get("gen", 0))
             previous = self._run.last_swap if self._run.last_swap.get("gen") == gen else {}

@@ -58,6 +58,7 @@ def summarize(plan: Plan, runs: Mapping[str, RunState]) -> dict[str, Any] | None
         "bytes_moved": sum(int(s.get("bytes_received", 0)) for s in swaps),
         "bytes_from_leaver": sum(int(s.get("from_leaver", 0)) for s in swaps),
         "handover_s": max(float(s.get("handover_s", 0.0)) for s in swaps),
+        "handover_errors": [str(s["handover_error"]) for s in swaps if s.get("handover_error")],
         "transfer_s": max(float(s.get("transfer", 0.0)) for s in swaps),
         "phase1_steps": max((int(s.get("phase1_steps", 0)) for s in swaps), default=0),
         "phase1_step_time": max((s["phase1_step_time"] for s in survivors), default=None),
@@ -75,4 +76,6 @@ def describe(summary: dict[str, Any]) -> str:
             f"stall {summary['stall_s']:.3f} s, {summary['bytes_moved'] / 1e6:.1f} MB moved")
     if summary["bytes_from_leaver"]:
         text += " (from the leaver)"
+    if summary.get("handover_errors"):
+        text += f"; the handover failed, state from the replicas: {summary['handover_errors'][0]}"
     return text

@@ -66,10 +66,11 @@ def test_plain_python_is_a_world_of_one(tmp_path):
     assert torch.load(tmp_path / "a.pt", weights_only=True)
 
 
-@pytest.mark.timeout(120)
-def test_runtime_ddp_matches_torch_ddp_bit_for_bit(tmp_path):
-    assert _static_world(tmp_path, str(tmp_path / "ours.pt")) == [0, 0]
-    assert _static_world(tmp_path, str(tmp_path / "plain.pt"), "--plain-ddp") == [0, 0]
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_runtime_ddp_matches_torch_ddp_bit_for_bit(tmp_path, world):
+    assert _static_world(tmp_path, str(tmp_path / "ours.pt"), world=world, timeout=150) == [0] * world
+    assert _static_world(tmp_path, str(tmp_path / "plain.pt"), "--plain-ddp", world=world, timeout=150) == [0] * world
     assert_same_weights(tmp_path / "ours.pt", tmp_path / "plain.pt")
 
 

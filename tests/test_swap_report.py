@@ -41,3 +41,12 @@ def test_no_summary_until_every_member_committed_a_step_in_the_new_generation() 
 def test_restart_generations_have_no_swap_summary() -> None:
     restart = Plan(2, ("a", "s"), {"a": 1, "s": 1}, "127.0.0.1", 1, "a", mode="restart")
     assert summarize(restart, {"a": reported(), "s": reported()}) is None
+
+
+def test_a_failed_handover_is_named_in_the_event() -> None:
+    runs = {"a": reported(), "s": reported(handover_error="abandoned: generation 3 superseded generation 2")}
+    got = summarize(PLAN, runs)
+    assert got is not None and got["handover_errors"] == ["abandoned: generation 3 superseded generation 2"]
+    assert describe(got).endswith("the handover failed, state from the replicas: "
+                                  "abandoned: generation 3 superseded generation 2")
+    assert summarize(PLAN, {"a": reported(), "s": reported(handover_error=None)})["handover_errors"] == []

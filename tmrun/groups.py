@@ -40,7 +40,8 @@ class Group(abc.ABC):
 
     @abc.abstractmethod
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.futures.Future:
-        """Reduce ``tensor`` in place across the group (``sum`` or ``mean``)."""
+        """Reduce ``tensor`` in place across the group (``sum``, or ``mean``: each input scaled by
+        ``1/size`` before the sum, the order torch DDP uses, so that gradients match it bit for bit)."""
 
     @abc.abstractmethod
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.futures.Future: ...
@@ -104,11 +105,10 @@ class RealGroup(Group):
         _check_op(op)
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.SUM
+        if op == "mean":  # as torch DDP does: each input times 1/size, then the sum (bit for bit)
+            tensor.mul_(1.0 / self.size)
         self.bytes_sent += tensor.numel() * tensor.element_size()
         future = self._pg.allreduce([tensor], options).get_future()
-        size = self.size
-        if op == "mean":
-            return future.then(lambda f: f.value()[0].div_(size))
         return future.then(lambda f: f.value()[0])
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.futures.Future:

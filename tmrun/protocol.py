@@ -11,10 +11,12 @@ Worker → agent:
 - ``progress``  {step, step_time, gen}: throttled to one a second, except the first committed step
   after a switch; shown by ``tmrun status``, and the agent's hang watchdog feeds on it.
 - ``ready``     {gen}: this worker has built the communicator of generation ``gen``.
-- ``switched``  {gen, step, stall, build, transfer, bytes_received, from_leaver, sources,
-  phase1_steps, phase1_step_time, normal_step_time}: this worker trains in ``gen`` from ``step``
-  on; a leaver sends {gen, step, left, rejoin, bytes_sent, transfer} instead, just before it
-  exits (or, with ``rejoin``, becomes a standby again in the same process).
+- ``switched``  {gen, step, stall, build, transfer, bytes_received, from_leaver, handover_s,
+  handover_error, sources, phase1_steps, phase1_step_time, normal_step_time}: this worker trains in
+  ``gen`` from ``step`` on; a leaver sends {gen, step, left, rejoin, bytes_sent, transfer,
+  handover_error} instead, just before it exits (or, with ``rejoin``, becomes a standby again in
+  the same process). ``handover_error`` is null, or why the handover between leaver and joiner
+  failed or was abandoned (the joiner then took the state from the replicas).
 - ``broken``    {gen, step, error}: a collective of ``gen`` failed; the worker waits for a plan.
 
 Agent → worker:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import datetime
+import logging
 import os
 import statistics
 import time
@@ -37,7 +38,9 @@ import torch.distributed as dist
 
 from tmrun.channel import AgentChannel
 from tmrun.groups import Group, RealGroup, SandboxGroup
-from tmrun.swap import Exchange, GroupSpec, NextGroup, TakeOver, exchange_state, hand_over
+from tmrun.swap import Exchange, GroupSpec, NextGroup, TakeOver, exchange_state, flatten, hand_over, portable
+
+log = logging.getLogger("tmrun.runtime")
 
 
 class StepFailed(RuntimeError):
@@ -95,6 +98,7 @@ class Run:
         self._handover: NextGroup | None = None  # a leaver's pair with the joiner taking its rank
         self._handover_bytes = 0  # what a joiner received from the leaver in the pending switch
         self._handover_seconds = 0.0
+        self._handover_error: str | None = None  # why the pending switch's handover failed, if it did
         self._last_progress = 0.0
         self._step_times: collections.deque = collections.deque(maxlen=64)  # (seconds, during phase 1)
 
@@ -130,6 +134,7 @@ class Run:
         for name, obj in objects.items():
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise TypeError(f"track({name}=...): {type(obj).__name__} has no state_dict/load_state_dict")
+            portable(flatten({name: obj.state_dict()})[1])  # a leaf JSON cannot carry fails here, not at a swap
             self._tracked[name] = obj
 
     def state_dict(self) -> dict[str, Any]:
@@ -137,6 +142,11 @@ class Run:
         return {"step": self.step, **{name: obj.state_dict() for name, obj in self._tracked.items()}}
 
     # ------------------------------------------------------------------ errors and votes
+    def _warn(self, what: str, error: object) -> None:
+        """One warning line with this worker's identity: an error the swap survives, never swallowed."""
+        log.warning("tmrun: warning: [rank %d gen %d step %d] %s: %s", self.rank, self.generation, self.step, what,
+                    str(error).splitlines()[0][:300] if str(error) else type(error).__name__)
+
     def latch(self, error: BaseException) -> None:
         """Remember the first error of this step; ``commit()`` will vote against the step."""
         if self._error is None:
@@ -213,7 +223,8 @@ class Run:
             return
         try:
             self._adopt(pending.spec, pending.wait(self.recover_timeout), time.monotonic(), time.monotonic())
-        except (TimeoutError, RuntimeError):
+        except (TimeoutError, RuntimeError) as exc:
+            self._warn(f"the final state did not reach generation {pending.spec.gen}", exc)
             self._next = None  # the joiner is gone too: nobody needs the state
 
     def _begin(self) -> None:
@@ -271,8 +282,15 @@ class Run:
             if message is not None:
                 self._on_message(message)
             if self._next is None or self._next.spec.gen != spec.gen:
-                receiving.abandon()  # superseded: the state will come from the replicas
+                receiving.abandon()  # superseded: nothing it receives is written; the replicas send the state
+                newer = self._next.spec.gen if self._next is not None else None
+                self._handover_error = f"abandoned: generation {newer} superseded generation {spec.gen}"
+                self._warn("the handover from the leaver was abandoned, taking the state from the replicas",
+                           self._handover_error)
                 return -1
+        if receiving.step < 0:
+            self._handover_error = str(receiving.error or "the leaver sent nothing")[:300]
+            self._warn("the handover from the leaver failed, taking the state from the replicas", self._handover_error)
         self._handover_bytes, self._handover_seconds = receiving.bytes_received, receiving.seconds
         return receiving.step
 
@@ -300,15 +318,20 @@ class Run:
         """Phase 2: every rank voted ready after a committed step; move to the next group."""
         if self._leave_gen:
             started = time.monotonic()
-            sent = 0
+            sent, failed = 0, None
             if self._handover is not None and self._handover.ready:
                 try:
                     sent = hand_over(self._handover.group, self._tracked, self.step)
-                except RuntimeError:
-                    sent = 0  # the joiner is gone: it (or the next one) takes the state from the replicas
+                except RuntimeError as exc:  # the joiner is gone: it (or the next one) takes the state from the replicas
+                    failed = str(exc)[:300] or type(exc).__name__
+                    self._warn("the handover to the joiner failed, it takes the state from the replicas", exc)
                 self._handover.group.close()
+            elif self._handover is not None:
+                failed = f"the handover pair was not built: {self._handover.error}"[:300]
+                self._warn("no handover to the joiner, it takes the state from the replicas", failed)
             self.channel.send("switched", gen=self._leave_gen, step=self.step, stall=0.0, left=True,
-                              rejoin=self._rejoin, bytes_sent=sent, transfer=round(time.monotonic() - started, 4))
+                              rejoin=self._rejoin, bytes_sent=sent, transfer=round(time.monotonic() - started, 4),
+                              handover_error=failed)
             self.group.close()
             if not self._rejoin:
                 raise SystemExit(0)  # this rank's place is taken by the joiner
@@ -317,8 +340,14 @@ class Run:
         started = time.monotonic()
         pending = self._next
         assert pending is not None
-        group = pending.wait(self.group_timeout)
-        self._adopt(pending.spec, group, started, started)
+        try:
+            self._adopt(pending.spec, pending.wait(self.group_timeout), started, started)
+        except (TimeoutError, RuntimeError) as exc:  # the old group is gone too: wait for the next generation
+            self._warn(f"the switch to generation {pending.spec.gen} failed", exc)
+            if self._next is pending:
+                self._next = None
+            self.latch(exc)
+            self._recover(started)
 
     def _failover_due(self) -> bool:
         """A failure's generation (``now``) is built while the old group still works.
@@ -337,14 +366,15 @@ class Run:
         started = time.monotonic()
         try:
             self._adopt(pending.spec, pending.group, started, started)
-        except RuntimeError:  # a peer of the new group failed too: the next step or prepare sorts it out
+        except RuntimeError as exc:  # a peer of the new group failed too: the next step or prepare sorts it out
+            self._warn(f"the failover to generation {pending.spec.gen} failed", exc)
             if self._next is pending:
                 self._next = None
 
-    def _recover(self) -> None:
+    def _recover(self, started: float | None = None) -> None:
         """The group broke: tell the agent, wait for the next generation, rebuild, re-sync state."""
         self.channel.send("broken", gen=self.generation, step=self.step, error=str(self._error)[:500])
-        self._join_next(time.monotonic(), my_step=self.step)
+        self._join_next(time.monotonic() if started is None else started, my_step=self.step)
 
     def _join_next(self, started: float, my_step: int) -> None:
         """Build the newest generation the agent announces and exchange state in it.
@@ -357,12 +387,15 @@ class Run:
             pending = self._next
             if pending is not None and pending.done:
                 if pending.group is None:
+                    self._warn(f"building the group of generation {pending.spec.gen} failed", pending.error)
                     self._next = None
                     continue
                 try:
                     self._adopt(pending.spec, pending.group, started, time.monotonic(), my_step)
                     return
-                except RuntimeError:
+                except RuntimeError as exc:
+                    self._warn(f"generation {pending.spec.gen} failed during the state exchange, "
+                               "waiting for the next", exc)
                     if self._next is pending:
                         self._next = None
                     continue
@@ -389,10 +422,11 @@ class Run:
         now = time.monotonic()
         handover, self._handover_bytes = self._handover_bytes, 0
         handover_s, self._handover_seconds = self._handover_seconds, 0.0
+        handover_error, self._handover_error = self._handover_error, None
         record = {"gen": gen, "step": self.step, "build": round(built - started, 4),
                   "transfer": round(now - built, 4), "stall": round(now - started, 4),
                   "bytes_received": result.bytes_received + handover, "from_leaver": handover,
-                  "handover_s": round(handover_s, 4),
+                  "handover_s": round(handover_s, 4), "handover_error": handover_error,
                   "sources": list(result.sources), **self._phase1_step_times()}
         self.swaps.append(record)
         self._last_progress = 0.0  # the first committed step in the new generation is reported at once

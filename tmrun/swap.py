@@ -19,9 +19,19 @@ missed the last commit alike.
 
 A planned swap goes one better (:func:`hand_over` / :class:`TakeOver`): the leaver and the joiner
 that takes its rank build a two-rank *handover* group in phase 1, and at the switch the leaver
-streams its own tracked state straight into the joiner's tensors (one pair per local rank, all
-pairs at once), so the joiner enters the new generation as a source and the survivors send
-nothing. If the leaver is gone before it could hand over, the joiner falls back to the replicas.
+streams its own tracked state to the joiner (one pair per local rank, all pairs at once), which
+loads it once all of it arrived, so the joiner enters the new generation as a source and the
+survivors send nothing. If the leaver is gone before it could hand over, the joiner falls back to the replicas.
+
+Errors (drawn here; the runtime catches ``RuntimeError`` to drop a group and wait for the next)::
+
+    BaseException
+    ├── StateLost          no rank of the new group holds the state: restart from a checkpoint
+    └── ModelMismatch      this rank's tracked state differs from the sources': it must not train
+    RuntimeError
+    └── GroupRefused       a peer built a different model: this group is dropped, the next awaited
+    TypeError
+    └── UnportableState    a state-dict leaf that JSON cannot carry (raised by ``run.track``)
 """
 
 from __future__ import annotations
@@ -30,6 +40,8 @@ import dataclasses
 import datetime
 import hashlib
 import json
+import logging
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -39,12 +51,27 @@ import torch.distributed as dist
 
 from tmrun.groups import RealGroup
 
+log = logging.getLogger("tmrun.swap")
+
 
 class StateLost(BaseException):
     """Every replica of the training state is gone: continuing would train on shadow state.
 
     A BaseException so that the runtime's retry paths (which catch RuntimeError) cannot swallow it.
     """
+
+
+class ModelMismatch(BaseException):
+    """This rank's tracked state differs in names, shapes or dtypes from the sources': it built
+    another model and must not train in the job (a BaseException, like :class:`StateLost`)."""
+
+
+class GroupRefused(RuntimeError):
+    """A peer of the new group built a different model; every matching rank drops the group."""
+
+
+class UnportableState(TypeError):
+    """A non-tensor state-dict leaf that the swap cannot send as JSON (named by its path)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +171,25 @@ def flatten(state: Any, path: str = "") -> tuple[list[tuple[str, torch.Tensor]],
     return tensors, leaves
 
 
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def portable(leaves: dict[str, Any]) -> dict[str, Any]:
+    """The leaves as JSON carries them exactly: numpy scalars become Python numbers (lossless);
+    anything else that is not a plain number, string, bool or None raises :class:`UnportableState`."""
+    numpy = sys.modules.get("numpy")  # a numpy scalar exists only if numpy was imported
+    out = {}
+    for path, value in leaves.items():
+        if type(value) not in _PLAIN and numpy is not None and isinstance(value, numpy.generic):
+            value = value.item()  # float32 -> float, int64 -> int, bool_ -> bool: exact
+        if type(value) not in _PLAIN:
+            raise UnportableState(f"state leaf {path or '/'} is a {type(value).__module__}.{type(value).__qualname__}, "
+                                  "which the hot swap cannot carry (JSON): keep it as a tensor, a number, a "
+                                  "string, a bool, None, or a list/tuple/dict of those")
+        out[path] = value
+    return out
+
+
 def _signature(tensors: list[tuple[str, torch.Tensor]]) -> int:
     text = ";".join(f"{p}:{tuple(t.shape)}:{t.dtype}" for p, t in tensors)
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:6], "big")
@@ -174,16 +220,16 @@ def exchange_state(group: RealGroup, tracked: dict[str, Any], my_step: int, time
     """Phase 2 on the new group: agree on the step, then stream state from sources to receivers."""
     states = {name: obj.state_dict() for name, obj in tracked.items()}
     tensors, leaves = flatten(states)
+    leaves = portable(leaves)  # before anything is sent: a leaf JSON cannot carry fails every rank alike
     header = torch.tensor([my_step, _signature(tensors)], dtype=torch.int64)
     everyone = group.all_gather(header)
     steps = [int(h[0]) for h in everyone]
-    if len({int(h[1]) for h in everyone if int(h[0]) >= 0} | {int(header[1])}) != 1:
-        raise RuntimeError("tracked state differs in structure between ranks; was the same model built everywhere?")
     top = max(steps)
     if top < 0:
         raise StateLost("no rank of the new generation holds the training state (every replica was lost); "
                         "the job must restart from a checkpoint")
     sources = tuple(r for r, s in enumerate(steps) if s == top)
+    _check_signatures([int(h[1]) for h in everyone], sources[0], group.rank)
     receivers = tuple(r for r, s in enumerate(steps) if s != top)
     me = group.rank
     received = 0
@@ -203,6 +249,25 @@ def exchange_state(group: RealGroup, tracked: dict[str, Any], my_step: int, time
         if me in receivers:
             _load_leaves(tracked, states, blob)
     return Exchange(top, sources, receivers, received)
+
+
+def _check_signatures(signatures: list[int], reference: int, me: int) -> None:
+    """Every rank checks every rank's model against the first source's, the joiners' included.
+
+    A rank that differs raises :class:`ModelMismatch` (it must not train); the others raise
+    :class:`GroupRefused` at once, before any state moves, instead of waiting for the odd rank's
+    receives until the collective timeout.
+    """
+    expected = signatures[reference]
+    odd = [rank for rank, signature in enumerate(signatures) if signature != expected]
+    if not odd:
+        return
+    if me in odd:
+        raise ModelMismatch(f"rank {me}'s tracked state (signature {signatures[me]:x}) differs in parameter names, "
+                            f"shapes or dtypes from the job's (rank {reference}: {expected:x}); "
+                            "this worker built another model and cannot join the job")
+    raise GroupRefused(f"rank(s) {odd} of the new group built another model (tracked state signature "
+                       f"{', '.join(f'{signatures[r]:x}' for r in odd)}, the job's {expected:x}): group refused")
 
 
 def _nbytes(tensors: list[tuple[str, torch.Tensor]]) -> int:
@@ -241,6 +306,7 @@ def _leaf_blob(group: RealGroup, leaves: dict[str, Any], src: int, receivers: tu
 def hand_over(group: RealGroup, tracked: dict[str, Any], step: int) -> int:
     """The leaver's side of a planned swap: send the header, every tensor and the leaves to rank 1."""
     tensors, leaves = flatten({name: obj.state_dict() for name, obj in tracked.items()})
+    leaves = portable(leaves)
     group.send(torch.tensor([step, _signature(tensors)], dtype=torch.int64), 1, 0).wait()
     works = [group.send(tensor, 1, index + 1) for index, (_, tensor) in enumerate(tensors)]
     for work in works:
@@ -250,11 +316,18 @@ def hand_over(group: RealGroup, tracked: dict[str, Any], step: int) -> int:
 
 
 class TakeOver:
-    """The joiner's side of a planned swap, in a thread: build the pair, receive in place.
+    """The joiner's side of a planned swap, in a thread: build the pair, receive, then load.
 
     ``step`` is the leaver's committed step once everything arrived, -1 when the handover failed
-    or was abandoned (a newer generation superseded this one); the joiner then takes the state
-    from the replicas instead. An abandoned handover never writes into the tracked tensors.
+    (``error`` says why) or was abandoned (a newer generation superseded this one); the joiner then
+    takes the state from the replicas instead.
+
+    An abandoned handover never writes into the tracked tensors: the leaver's tensors are received
+    into buffers of the joiner's own, copied into the tracked tensors only when all of them (and the
+    leaves) arrived, under a lock that :meth:`abandon` takes too. So once ``abandon()`` returned,
+    receives the leaver may still complete land in those buffers only, and the fallback from the
+    replicas is the last writer. The price: a second copy of the tracked tensors on the joiner (a
+    standby, idle until then) while the handover runs; the leaver still copies nothing.
     """
 
     def __init__(self, spec: GroupSpec, tracked: dict[str, Any], timeout: float) -> None:
@@ -262,7 +335,9 @@ class TakeOver:
         self.bytes_received = 0
         self.seconds = 0.0  # from the leaver's header to the last byte: the transfer itself
         self.error: BaseException | None = None
-        self._abandoned = threading.Event()
+        self.receiving = threading.Event()  # set once the tensors' receives are posted
+        self._lock = threading.Lock()
+        self._abandoned = False
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(spec, tracked, timeout), daemon=True,
                                         name=f"tmrun-takeover-gen{spec.gen}")
@@ -272,8 +347,14 @@ class TakeOver:
     def done(self) -> bool:
         return self._done.is_set()
 
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
     def abandon(self) -> None:
-        self._abandoned.set()
+        """Stop writing: once this returned, nothing this handover receives reaches the tracked state
+        (a copy-in under way finishes first; the fallback from the replicas overwrites it all)."""
+        with self._lock:
+            self._abandoned = True
 
     def _run(self, spec: GroupSpec, tracked: dict[str, Any], timeout: float) -> None:
         group = None
@@ -286,17 +367,25 @@ class TakeOver:
             group.recv(header, 0, 0).wait()
             started = time.monotonic()
             if int(header[1]) != _signature(tensors):
-                raise RuntimeError("the leaver's tracked state differs in structure from the joiner's")
-            if self._abandoned.is_set():
-                return
-            works = [group.recv(tensor, 0, index + 1) for index, (_, tensor) in enumerate(tensors)]
+                raise RuntimeError("the leaver's tracked state differs in parameter names, shapes or dtypes "
+                                   "from the joiner's")
+            staged = [torch.empty_like(tensor) for _, tensor in tensors]
+            works = [group.recv(buffer, 0, index + 1) for index, buffer in enumerate(staged)]
+            self.receiving.set()
             for work in works:
                 work.wait()
-            _load_leaves(tracked, states, _leaf_blob(group, leaves, 0, (1,), len(tensors) + 1))
-            self.bytes_received = _nbytes(tensors)
-            self.seconds = time.monotonic() - started
-            self.step = int(header[0])
-        except BaseException as exc:  # reported through ``step == -1``, never raised in a thread
+            blob = _leaf_blob(group, leaves, 0, (1,), len(tensors) + 1)
+            with self._lock:
+                if self._abandoned:
+                    return
+                with torch.no_grad():
+                    for (_, tensor), buffer in zip(tensors, staged):
+                        tensor.copy_(buffer)
+                _load_leaves(tracked, states, blob)
+                self.bytes_received = _nbytes(tensors)
+                self.seconds = time.monotonic() - started
+                self.step = int(header[0])
+        except BaseException as exc:  # reported through ``step == -1`` and ``error``, never raised in a thread
             self.error = exc
         finally:
             if group is not None:
