@@ -262,13 +262,23 @@ class MemberHost:
         retrying = tenacity.AsyncRetrying(stop=tenacity.stop_before_delay(limit), wait=tenacity.wait_fixed(0.5),
                                           retry=tenacity.retry_if_result(bool), retry_error_callback=lambda _: None)
         if job_ended:
+            waiting: set[str] | None = None
+
             async def others() -> bool:
+                nonlocal waiting
                 try:
                     entries, _ = await store.get_prefix(keys.root)
                 except StoreError:
                     return True  # cannot tell: someone may still need this member's vote
-                return bool(awaiting_ack(entries, keys, self.layout.hosts, self.node))
+                left = awaiting_ack(entries, keys, self.layout.hosts, self.node)
+                if left and left != waiting:
+                    log.info("%s: the etcd member stays until %s saw the job's end", self.node, ", ".join(sorted(left)))
+                waiting = left
+                return bool(left)
             await retrying(others)
+            if waiting:
+                self._report(f"{self.node}: stopping the etcd member after {limit:g} s; "
+                             f"{', '.join(sorted(waiting))} did not say they saw the job's end")
         else:
             name = self.layout.name(self.node)
 

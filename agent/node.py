@@ -102,6 +102,7 @@ class NodeAgent:
         loop = asyncio.get_running_loop()
         for sig in HANDLED_SIGNALS:
             loop.add_signal_handler(sig, self._on_signal, sig)
+        loop.add_signal_handler(signal.SIGUSR1, self._dump_tasks)
         background: list[asyncio.Task] = []
         try:
             await self._clear_finished_job()
@@ -156,6 +157,13 @@ class NodeAgent:
         log.info("job %s ended earlier: clearing its keys for a new run", self.cfg.job_id)
         await self._store.delete_prefix(self._keys.root)
 
+    def _dump_tasks(self) -> None:
+        """SIGUSR1: log where every task of the agent waits (for a post-mortem of a stuck agent)."""
+        for task in asyncio.all_tasks():
+            frames = task.get_stack()
+            where = " <- ".join(f"{f.f_code.co_name}:{f.f_lineno}" for f in reversed(frames)) or "(not started)"
+            log.warning("%s: task %s waits in %s", self.cfg.node, task.get_name(), where)
+
     def _on_signal(self, sig: int) -> None:
         self._signum = sig
         self._signal.set()
@@ -208,16 +216,17 @@ class NodeAgent:
         """
         if self._group_wait is not None and self._group_wait.done():
             await self._on_group_done(self._group_wait.result())
-        if self._dirty.is_set() or self._resync:
-            self._dirty.clear()
-            await self._report(self._run)
-            self._resync = False
         outcome = parse(Outcome, await self._store.get(self._keys.outcome))
-        if outcome is not None:
+        if outcome is not None:  # first: once the job has ended, nothing this node could report matters
+            log.info("%s: the job has ended (%s: %s); leaving", self.cfg.node, outcome.state, outcome.reason)
             await self._stop_workers()
             await self._store.put(self._keys.node_done(self.cfg.node), {"v": 1, "node": self.cfg.node,
                                                                          "at": time.time()})
             return EXIT_OK if outcome.state == "succeeded" else EXIT_FAILED
+        if self._dirty.is_set() or self._resync:
+            self._dirty.clear()
+            await self._report(self._run)
+            self._resync = False
         plan = parse(Plan, await self._store.get(self._keys.plan))
         if plan is not None and await self._reconcile(plan):
             return EXIT_OK

@@ -156,7 +156,15 @@ def check_runtime_job(slurm: SlurmCluster, job_id: int, workdir: Path, reference
                       replaced: set[int] = frozenset(), steps: int = STEPS) -> None:
     """The job completed with the weights of an uninterrupted run; each step once per rank; ranks
     other than ``replaced`` kept one process for the whole run."""
-    assert slurm.wait_job(job_id, 300) == "COMPLETED", slurm.output(job_id)[-4000:]
+    try:
+        state = slurm.wait_job(job_id, 300)
+    except TimeoutError:  # a post-mortem in the job's output: where each agent still running waits
+        for proc in slurm.node_processes():
+            if proc.comm == "tmrun":
+                os.kill(proc.pid, signal.SIGUSR1)
+        wait_for(lambda: "waits in" in slurm.output(job_id), 10, "the agents' task dumps")
+        raise AssertionError(f"job {job_id} did not end:\n" + slurm.output(job_id)[-6000:]) from None
+    assert state == "COMPLETED", slurm.output(job_id)[-4000:]
     assert_same_weights(workdir / "final.pt", reference)
     rows = committed(slurm.output(job_id))
     assert {r: sorted(s for s, _ in got) for r, got in rows.items()} == {r: list(range(steps)) for r in range(3)}
