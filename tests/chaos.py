@@ -154,7 +154,7 @@ def _run(schedule: Schedule, workdir: Path, reference: Path, start: Callable[[li
     assert_same_weights(out, reference)
     events = [e for e in _events(job.out.text()) if e.get("role") == "active" and "step" in e]
     for rank in range(NODES):
-        _check_commits(where, rank, [(e["step"], e["pid"]) for e in events if e["rank"] == rank and e["committed"]],
+        check_commits(where, rank, [(e["step"], e["pid"]) for e in events if e["rank"] == rank and e["committed"]],
                        rank in replaced)
     pids: dict[int, set[int]] = {}
     for event in events:
@@ -168,18 +168,18 @@ def _run(schedule: Schedule, workdir: Path, reference: Path, start: Callable[[li
     return Outcome(schedule, hot, replaced, end_s)
 
 
-def _check_commits(where: str, rank: int, rows: list[tuple[int, int]], replaced: bool) -> None:
-    """Every step committed exactly once by ``rank``, as its workers printed them.
+def check_commits(where: str, rank: int, rows: list[tuple[int, int]], replaced: bool, steps: int = STEPS) -> None:
+    """Every step committed exactly once by ``rank``, as its workers printed them (``rows``: step, pid).
 
     A worker SIGKILLed (itself, or with its agent, whose pipe carries its output) may die between
     committing a step and printing it: for a replaced rank, one step right at a handover may be
     missing from the output, and only there (the weights, compared bit for bit, show it was done).
     """
     rows = sorted(rows)
-    steps = [step for step, _ in rows]
-    doubled = sorted({s for s in steps if steps.count(s) > 1})
+    done = [step for step, _ in rows]
+    doubled = sorted({s for s in done if done.count(s) > 1})
     assert not doubled, f"{where}: rank {rank} committed steps {doubled[:5]} twice"
-    missing = sorted(set(range(STEPS)) - set(steps))
+    missing = sorted(set(range(steps)) - set(done))
     if not missing:
         return
     handovers = {later for (_, a), (later, b) in zip(rows, rows[1:]) if a != b}  # first step of a new process
