@@ -158,11 +158,18 @@ class NodeAgent:
         await self._store.delete_prefix(self._keys.root)
 
     def _dump_tasks(self) -> None:
-        """SIGUSR1: log where every task of the agent waits (for a post-mortem of a stuck agent)."""
+        """SIGUSR1: log where every task of the agent waits, down its chain of awaits (for a
+        post-mortem of a stuck agent)."""
         for task in asyncio.all_tasks():
-            frames = task.get_stack()
-            where = " <- ".join(f"{f.f_code.co_name}:{f.f_lineno}" for f in reversed(frames)) or "(not started)"
-            log.warning("%s: task %s waits in %s", self.cfg.node, task.get_name(), where)
+            chain, coro = [], task.get_coro()
+            while coro is not None and len(chain) < 40:
+                frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+                if frame is None:
+                    chain.append(type(coro).__name__)
+                    break
+                chain.append(f"{frame.f_code.co_name}:{frame.f_lineno}")
+                coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+            log.warning("%s: task %s waits in %s", self.cfg.node, task.get_name(), " -> ".join(chain))
 
     def _on_signal(self, sig: int) -> None:
         self._signum = sig
