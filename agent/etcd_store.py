@@ -63,6 +63,12 @@ _TRANSIENT = ("raft: stopped", "leader changed", "request timed out", "no leader
               "context deadline exceeded", "request cancelled", "timed out")
 
 
+def _cancelling() -> bool:
+    """Whether the task running now has been asked to stop."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 def _client_error(exc: grpc.aio.AioRpcError) -> aetcd.ClientError:
     if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return aetcd.ConnectionFailedError(exc.details())
@@ -306,6 +312,16 @@ class EtcdStore(Store):
         return client
 
     async def _attempt(self, fn: Callable[[_Client], Awaitable[T]]) -> T:
+        try:
+            return await self._attempt_once(fn)
+        except BaseException as exc:
+            if not isinstance(exc, asyncio.CancelledError) and _cancelling():
+                # gRPC or aetcd turned our own cancellation into an RPC error; retrying it would
+                # swallow the cancel, and the task that was told to stop would go on for ever
+                raise asyncio.CancelledError from exc
+            raise
+
+    async def _attempt_once(self, fn: Callable[[_Client], Awaitable[T]]) -> T:
         if self._closed:
             raise StoreError(f"store for {self.endpoint} is closed")
         index = self._current

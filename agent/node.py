@@ -61,6 +61,7 @@ RETRY = 1.0  # seconds between attempts to reach etcd while it is unreachable
 # without an error (a member stopped and resumed, removed, partitioned) must not leave the agent
 # waiting for an outcome it would never hear of.
 LOOK_AGAIN = 5.0
+STOP_TASKS_TIMEOUT = 10.0  # seconds the agent's background tasks get to end once cancelled
 REVOKE_TIMEOUT = 0.5  # seconds a leaving agent tries to revoke its lease (else it expires by itself)
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
@@ -127,7 +128,11 @@ class NodeAgent:
             await self._stop_workers()
             for task in background:
                 task.cancel()
-            await asyncio.gather(*background, return_exceptions=True)
+            if background:  # bounded: a task that ignores its cancel must not keep the node (and the job) alive
+                _, stuck = await asyncio.wait(background, timeout=STOP_TASKS_TIMEOUT)
+                for task in stuck:
+                    log.error("%s: a background task did not stop within %g s; leaving without it: %r",
+                              self.cfg.node, STOP_TASKS_TIMEOUT, task)
             await self._changes.close()
             await self._channel.close()
             shutil.rmtree(self._socket_dir, ignore_errors=True)

@@ -297,3 +297,28 @@ def test_embedded_etcd_dies_with_its_parent(tmp_path: Path) -> None:
     finally:
         parent.kill()
         parent.wait()
+
+
+@pytest.mark.timeout(30)
+def test_a_cancelled_call_ends_even_when_the_client_turns_the_cancel_into_an_rpc_error() -> None:
+    """grpc/aetcd may answer a cancelled RPC with an error of their own ("Locally cancelled by
+    application!"); the retry policy must not take it for a failed attempt and go on: the agent's
+    background tasks are cancelled at the end of a job, and one that lived on kept the job alive."""
+    import aetcd
+
+    async def call_that_hides_the_cancel(client):
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            raise aetcd.ConnectionFailedError("Locally cancelled by application!") from None
+
+    async def go():
+        store = EtcdStore([("127.0.0.1", 1)], retry_deadline=60, max_attempts=1000)
+        task = asyncio.ensure_future(store._call("get", call_that_hides_the_cancel))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 5)
+        await store.close()
+
+    asyncio.run(go())
