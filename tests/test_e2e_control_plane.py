@@ -21,9 +21,8 @@ import signal
 import pytest
 
 from agent.etcd_server import EmbeddedEtcd
-from agent.etcd_store import EtcdStore, parse_endpoint
 from agent.keys import JobKeys
-from tests.harness import FAST, alive, assert_same_weights, descendants, job_ref, run_tmrun, wait_status
+from tests.harness import FAST, alive, assert_same_weights, descendants, job_ref, job_store, run_tmrun, wait_status
 from tests.test_e2e_hot_swap import JOB, PACE, _events, _reference
 
 pytestmark = pytest.mark.e2e
@@ -103,7 +102,7 @@ def test_etcd_away_past_the_outage_bound_ends_the_job_cleanly(jobs, tmp_path):
 async def _plant_junk(ref) -> None:
     """What a stray ``etcdctl put`` could leave under the job's prefix."""
     keys = JobKeys(ref.job)
-    store = EtcdStore(parse_endpoint(ref.endpoint), retry_deadline=5)
+    store = job_store(ref.endpoint, retry_deadline=5)  # with the user's credentials: the job's etcd is closed
     try:
         await store.put_raw(keys.root + "junk", b"not json")
         await store.put(keys.node("intruder"), {"v": 1})  # a node record of the wrong shape
