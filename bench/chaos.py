@@ -53,7 +53,8 @@ def run_seed(seed: int, root: Path, ref: Path) -> dict:
     row = {"seed": seed, "schedule": schedule.describe(), "kinds": list(schedule.kinds)}
     try:
         outcome = chaos.run(schedule, workdir, ref, start)
-        row.update(ok=True, hot=outcome.hot, end_s=round(outcome.end_s, 2))
+        row.update(ok=True, hot=outcome.hot, epilogue=outcome.epilogue,
+                   end_s=None if outcome.epilogue else round(outcome.end_s, 2))
     except AssertionError as exc:
         row.update(ok=False, error=str(exc).splitlines()[0][:300])
     except Exception as exc:  # the harness itself failed: a failure of this seed, said as such
@@ -79,6 +80,7 @@ def report(rows: list[dict], command: str, info: dict) -> str:
     doubles = [r for r in rows if len(r["kinds"]) == 2]
     failed = [r for r in rows if not r["ok"]]
     ends = sorted(r["end_s"] for r in rows if r.get("end_s") is not None)
+    epilogues = [r for r in rows if r.get("epilogue")]
     lines = [
         "# Reliability: random fault schedules",
         "",
@@ -94,7 +96,8 @@ def report(rows: list[dict], command: str, info: dict) -> str:
         f"commit {info['tmrun_commit']}.",
         "",
         f"**{len(rows)} schedules: {len(rows) - len(failed)} passed, {len(failed)} failed.** "
-        f"{len(doubles)} had two faults close together.",
+        f"{len(doubles)} had two faults close together. {len(epilogues)} struck a worker after its last step (in",
+        "the script's epilogue): those must end failed, saying so, and did.",
         "",
         "| fault kind | schedules | passed | failed |",
         "|---|---|---|---|",

@@ -16,7 +16,9 @@ A fault lands at a step drawn from the job's first steps, its last steps, or any
 second fault, when there is one, lands a few steps after the first ("two events close together").
 ``run`` then checks what every schedule must end with:
 
-- the job exits 0, within ``END_BOUND`` seconds of its last committed step;
+- the job exits 0, within ``END_BOUND`` seconds of its last committed step; unless a worker was
+  killed or stopped after its own last step (in the script's epilogue): then it must exit 1 and
+  say the worker failed "after the job's last step" (no swap can redo an epilogue);
 - weights bit-identical to an uninterrupted run (``reference``);
 - every step committed exactly once per rank;
 - the workers of ranks no fault touched keep their process ids, where the schedule promises it:
@@ -96,6 +98,7 @@ class Outcome:
     hot: bool  # both standbys were warm when the first fault landed
     replaced: set[int]
     end_s: float  # last committed step → job exit
+    epilogue: bool = False  # a worker was struck after its last step: the job failed, as it must
 
 
 def run(schedule: Schedule, workdir: Path, reference: Path, start: Callable[[list[str]], Job]) -> Outcome:
@@ -124,6 +127,7 @@ def _run(schedule: Schedule, workdir: Path, reference: Path, start: Callable[[li
     ref = job_ref(job)
     drains: list[subprocess.Popen] = []
     replaced: set[int] = set()
+    struck: list[set[int]] = []  # per fault: the pids of the workers it killed or stopped
     hot = False
     try:
         for index, fault in enumerate(schedule.faults):
@@ -137,6 +141,7 @@ def _run(schedule: Schedule, workdir: Path, reference: Path, start: Callable[[li
             job.track()
             time.sleep(fault.delay)  # fault placement inside the step, not a synchronisation
             replaced |= _inject(fault, doc, ref, workdir, drains, job)
+            struck.append(_struck_pids(fault, doc))
         code = job.wait(240)
         ended = time.monotonic()
     finally:
@@ -146,6 +151,14 @@ def _run(schedule: Schedule, workdir: Path, reference: Path, start: Callable[[li
             except subprocess.TimeoutExpired:
                 proc.kill()
     where = schedule.describe()
+    finished = {e["pid"] for e in _events(job.out.text())
+                if e.get("role") == "active" and e.get("step") == STEPS - 1 and e.get("committed")}
+    if any(pids & finished for pids in struck):
+        # a worker killed or stopped after its last step, in the script's epilogue: no swap can redo that
+        # part of the script, and the job must say it failed (issue 9: an honest end), with no step doubled
+        assert code == 1 and "after the job's last step" in job.err.text(), \
+            f"{where}: a worker struck after the last step, yet tmrun exited {code}\n" + job.err.text()[-4000:]
+        return Outcome(schedule, hot, replaced, 0.0, epilogue=True)
     assert code == 0, f"{where}: tmrun exited {code}\n" + job.err.text()[-4000:]
     for proc in drains:
         err = proc.stderr.read() if proc.stderr else ""
@@ -185,6 +198,17 @@ def check_commits(where: str, rank: int, rows: list[tuple[int, int]], replaced: 
     handovers = {later for (_, a), (later, b) in zip(rows, rows[1:]) if a != b}  # first step of a new process
     unseen = [s for s in missing if not (replaced and s + 1 in handovers and len(missing) == 1)]
     assert not unseen, f"{where}: rank {rank} never committed steps {unseen[:5]}"
+
+
+def _struck_pids(fault: Fault, doc: dict) -> set[int]:
+    """The worker pids a fault kills or stops (those of the node it hits)."""
+    if fault.kind == "kill-leader-agent":
+        node = next((n for n in doc["nodes"] if n["node"] == doc["leader"]), None)
+    elif fault.kind in ("kill-worker", "kill-agent", "hang-worker"):
+        node = next((n for n in doc["nodes"] if n["ranks"] == [fault.rank]), None)
+    else:
+        node = None
+    return set(node["worker_pids"]) if node else set()
 
 
 def _inject(fault: Fault, doc: dict, ref, workdir: Path, drains: list, job: Job) -> set[int]:
