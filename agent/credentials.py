@@ -102,11 +102,16 @@ def check_private(path: Path, directory: bool) -> None:
 
 def user_credentials(directory: Path) -> UserCredentials:
     """The user's credentials in ``directory``: checked when they exist, made when they do not."""
-    creds = UserCredentials(directory)
     if not os.path.lexists(directory):
         _create(directory)
-    check_private(directory, directory=True)
-    for path in (creds.ca, creds.ca_key, creds.client, creds.client_key):
+    return checked(UserCredentials(directory), with_ca_key=True)
+
+
+def checked(creds: UserCredentials, with_ca_key: bool = False) -> UserCredentials:
+    """``creds`` once its directory and files passed :func:`check_private` (the CA key only when
+    it will be used: clients need the CA and their own pair)."""
+    check_private(creds.directory, directory=True)
+    for path in (creds.ca, creds.client, creds.client_key) + ((creds.ca_key,) if with_ca_key else ()):
         check_private(path, directory=False)
     return creds
 

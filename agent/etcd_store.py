@@ -185,12 +185,9 @@ def client_tls(endpoint: str, cacert: str | None, cert: str | None, key: str | N
         return None
     if credentials is None:
         raise ConfigError(f"etcd endpoint {endpoint!r} asks for TLS: give --etcd-cacert/--etcd-cert/--etcd-key")
-    from agent.credentials import check_private, UserCredentials
+    from agent.credentials import UserCredentials, checked
 
-    creds = UserCredentials(credentials)
-    check_private(creds.directory, directory=True)
-    for path in (creds.ca, creds.client, creds.client_key):
-        check_private(path, directory=False)
+    creds = checked(UserCredentials(credentials))
     return TlsOptions(str(creds.ca), str(creds.client), str(creds.client_key))
 
 
@@ -279,9 +276,7 @@ class EtcdStore(Store):
         self._endpoints = list(endpoints)
         self.endpoint = ",".join(format_endpoint(h, p) for h, p in self._endpoints)
         self._credentials = tls.credentials() if tls else None
-        if login is not None:
-            login.password()  # a missing or open password file is a one-line error now, not at first use
-        self._login = login
+        self._login = login  # its password file is checked by the CLI before anything starts
         self._timeout = timeout
         self._retry_deadline = retry_deadline
         self._max_attempts = max_attempts
