@@ -2,6 +2,10 @@
 
     python -m bench.chaos --seeds 200            # seeds 0..199
     python -m bench.chaos --seed 17 --seed 42    # replay chosen seeds
+    python -m bench.chaos --report-only          # the report from the rows saved so far
+
+Each finished seed's row is appended at once to ``bench/results/chaos-rows.jsonl`` (a run of two
+hours can be read, and reported, before it ends); ``--report-only`` writes the report from it.
 
 Each seed is one hot-swap job on the local cluster (3 nodes, 2 standbys) with one or two faults;
 each must end with weights bit-identical to an uninterrupted run, every step committed once per
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import subprocess
 import sys
 import tempfile
@@ -27,6 +32,7 @@ from tests import chaos
 from tests.harness import Job
 
 REPORT = REPO / "docs" / "reliability.md"
+ROWS = REPO / "bench" / "results" / "chaos-rows.jsonl"
 
 
 def reference(directory: Path) -> Path:
@@ -123,16 +129,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=200, help="run seeds 0..N-1")
     parser.add_argument("--seed", type=int, action="append", help="run this seed (repeatable)")
     parser.add_argument("--no-report", action="store_true", help="do not rewrite docs/reliability.md")
+    parser.add_argument("--report-only", action="store_true",
+                        help=f"write the report from the rows saved in {ROWS.relative_to(REPO)}; run nothing")
     args = parser.parse_args(argv)
+    if args.report_only:
+        saved = [json.loads(line) for line in ROWS.read_text().splitlines() if line.strip()]
+        rows = list({row["seed"]: row for row in saved}.values())  # a replayed seed: its latest row
+        REPORT.write_text(report(rows, saved[-1].get("command", command_line()), saved[-1].get("machine", machine())))
+        return summary(rows)
     seeds = args.seed or list(range(args.seeds))
-    info = machine()
-    with tempfile.TemporaryDirectory(prefix="tmrun-chaos-") as tmp:
+    info, command = machine(), command_line()
+    ROWS.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="tmrun-chaos-") as tmp, ROWS.open("a") as saved:
         root = Path(tmp)
         ref = reference(root)
-        rows = [run_seed(seed, root, ref) for seed in seeds]
+        for seed in seeds:
+            rows.append(run_seed(seed, root, ref))
+            saved.write(json.dumps({**rows[-1], "command": command, "machine": info}) + "\n")
+            saved.flush()
     save("chaos", {"rows": rows})
     if not args.no_report:
-        REPORT.write_text(report(rows, command_line(), info))
+        REPORT.write_text(report(rows, command, info))
+    return summary(rows)
+
+
+def summary(rows: list[dict]) -> int:
     failed = [r["seed"] for r in rows if not r["ok"]]
     print(f"{len(rows) - len(failed)} of {len(rows)} schedules passed" + (f"; failed seeds {failed}" if failed else ""))
     return 1 if failed else 0
