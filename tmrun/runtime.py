@@ -427,7 +427,7 @@ class Run:
                   "transfer": round(now - built, 4), "stall": round(now - started, 4),
                   "bytes_received": result.bytes_received + handover, "from_leaver": handover,
                   "handover_s": round(handover_s, 4), "handover_error": handover_error,
-                  "sources": list(result.sources), **self._phase1_step_times()}
+                  "sources": len(result.sources), **self._phase1_step_times()}
         self.swaps.append(record)
         self._last_progress = 0.0  # the first committed step in the new generation is reported at once
         if self.channel is not None:
