@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
+from tmrun.groups import SandboxGroup
 from tmrun.phases import MOVES, Phase, Phases
+from tmrun.runtime import Identity, Run
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -40,3 +44,23 @@ def test_the_table_has_the_expected_shape() -> None:
             frontier.append(to)
     assert reached == set(Phase)
     assert {p for p in Phase if p.role == "standby"} == {Phase.STANDBY, Phase.JOINING}
+
+
+def test_a_run_logs_a_refused_move_as_an_error_with_its_identity(caplog: pytest.LogCaptureFixture) -> None:
+    run = Run(Identity(3, 4, 0, "active", generation=2), SandboxGroup(3, 4))
+    assert run.phase is Phase.ACTIVE and run.role == "active"
+    with caplog.at_level(logging.DEBUG, logger="tmrun.runtime"):
+        assert run._phase.move(Phase.HANDING_OVER, "a test") is False
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and run.phase is Phase.ACTIVE
+    assert errors[0].getMessage() == ("tmrun: error: [rank 3 gen 2 step 0] phase move refused: active -> "
+                                      "handing-over is not allowed (a test); staying active")
+
+
+def test_role_follows_the_phase() -> None:
+    standby = Run(Identity(1, 2, 0, "standby"), SandboxGroup(1, 2))
+    assert standby.phase is Phase.STANDBY and standby.role == "standby" and not standby.is_main
+    assert standby._phase.move(Phase.JOINING, "promoted") and standby.role == "standby"
+    assert standby._phase.move(Phase.ACTIVE, "joined") and standby.role == "active"
+    single = Run(Identity(), SandboxGroup(0, 1))
+    assert single.phase is Phase.ACTIVE and single.role == "single" and single.is_main

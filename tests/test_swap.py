@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 
 from tmrun.groups import SandboxGroup
+from tmrun.phases import Phase
 from tmrun.runtime import Identity, Run
-from tmrun.swap import (Exchange, GroupRefused, GroupSpec, ModelMismatch, TakeOver, UnportableState, build_group,
+from tmrun.swap import (Exchange, GroupRefused, GroupSpec, Handover, Leave, ModelMismatch, TakeOver, UnportableState, build_group,
                         exchange_state, flatten, portable, _leaf_blob, _signature)
 
 HOST = "127.0.0.1"
@@ -77,6 +78,23 @@ def spec(gen: int, rank: int, world: int, port: int, mode: str = "now", handover
     return GroupSpec(gen, rank, world, HOST, port, mode, handover)
 
 
+class Channel:
+    """The agent's end as a test sees it: messages to hand the worker, and what it sent."""
+
+    def __init__(self, *inbox: dict[str, Any]) -> None:
+        self.inbox = list(inbox)
+        self.sent: list[tuple[str, dict]] = []
+
+    def poll(self) -> dict[str, Any] | None:
+        return self.inbox.pop(0) if self.inbox else None
+
+    def wait(self, timeout: float) -> dict[str, Any] | None:
+        return self.poll()
+
+    def send(self, kind: str, **fields: Any) -> None:
+        self.sent.append((kind, fields))
+
+
 # -- an abandoned handover never writes ----------------------------------------------------------
 
 @pytest.mark.timeout(90)
@@ -88,7 +106,7 @@ def test_abandoned_takeover_never_writes_after_the_fallback(store_port):
     abandoned, fallback_done = threading.Event(), threading.Event()
 
     def leave() -> None:  # a leaver that stalls between its header and its tensors
-        pair = build_group(GroupSpec.pair(1, HOST, store_port, 0), 30, pair_of=0)
+        pair = Handover(1, 0, HOST, store_port).build(Handover.LEAVER, 30)
         tensors, leaves = flatten({n: o.state_dict() for n, o in leaver.items()})
         pair.send(torch.tensor([7, _signature(tensors)], dtype=torch.int64), 1, 0).wait()
         assert abandoned.wait(30) and fallback_done.wait(30)
@@ -102,7 +120,7 @@ def test_abandoned_takeover_never_writes_after_the_fallback(store_port):
         return exchange_state(build_group(spec(2, 0, 2, store_port), 30), source, 5, 30)
 
     def join() -> tuple[TakeOver, Exchange]:
-        receiving = TakeOver(spec(1, 0, 2, store_port, "agreed", handover=True), joiner, 30)
+        receiving = TakeOver(Handover(1, 0, HOST, store_port), joiner, 30)
         assert receiving.receiving.wait(30), receiving.error
         receiving.abandon()
         abandoned.set()
@@ -126,12 +144,12 @@ def test_completed_takeover_loads_the_leavers_state(store_port):
     joiner, leaver, expected = replica(0, 0.3, 1), replica(1, 0.1, 3), replica(1, 0.1, 3)
 
     def join() -> TakeOver:
-        receiving = TakeOver(spec(1, 0, 2, store_port, "agreed", handover=True), joiner, 30)
+        receiving = TakeOver(Handover(1, 0, HOST, store_port), joiner, 30)
         assert receiving.wait(30)
         return receiving
 
     sent, receiving = in_threads(
-        lambda: hand_over(build_group(GroupSpec.pair(1, HOST, store_port, 0), 30, pair_of=0), leaver, 7), join)
+        lambda: hand_over(Handover(1, 0, HOST, store_port).build(Handover.LEAVER, 30), leaver, 7), join)
     assert receiving.step == 7 and receiving.error is None and receiving.bytes_received == sent > 0
     assert_bit_identical(joiner, expected)
 
@@ -140,16 +158,6 @@ def test_completed_takeover_loads_the_leavers_state(store_port):
 def test_failed_takeover_is_warned_about_and_reported_in_switched(store_port, caplog):
     """A leaver whose header does not match: the joiner falls back, says why once, and tells its agent."""
 
-    class Channel:
-        def __init__(self) -> None:
-            self.sent: list[tuple[str, dict]] = []
-
-        def wait(self, timeout: float) -> None:
-            return None
-
-        def send(self, kind: str, **fields: Any) -> None:
-            self.sent.append((kind, fields))
-
     channel = Channel()
     run = Run(Identity(1, 2, 0, "standby"), SandboxGroup(1, 2), channel=channel, group_timeout=30)
     run.track(**replica(0, 0.3, 1))
@@ -157,7 +165,7 @@ def test_failed_takeover_is_warned_about_and_reported_in_switched(store_port, ca
     run._next = types.SimpleNamespace(spec=promotion)  # the generation being joined (its group is not needed here)
 
     def leave() -> None:
-        pair = build_group(GroupSpec.pair(1, HOST, store_port, 0), 30, pair_of=1)
+        pair = Handover(1, 1, HOST, store_port).build(Handover.LEAVER, 30)
         pair.send(torch.tensor([7, 12345], dtype=torch.int64), 1, 0).wait()
         pair.close()
 
@@ -234,3 +242,142 @@ def test_numpy_scalars_travel_as_python_numbers(store_port):
     assert all(isinstance(r, Exchange) for r in results), results
     assert receiver.value == 41 and type(receiver.value) is int
     assert torch.equal(receiver.weight, torch.ones(3))
+
+
+# -- one description of the handover pairing -----------------------------------------------------
+
+def test_leaver_and_joiner_build_the_same_handover_from_their_messages():
+    leave = {"v": 1, "type": "leave", "gen": 4, "rejoin": False, "store_host": HOST, "store_port": 2345}
+    prepare = {"v": 1, "type": "prepare", "gen": 4, "rank": 1, "world_size": 3, "store_host": HOST,
+               "store_port": 2345, "mode": "agreed", "handover": True}
+    leaver = Leave.from_message(leave, rank=1).handover
+    joiner = Handover.of_joiner(GroupSpec.from_message(prepare))
+    assert leaver == joiner == Handover(4, 1, HOST, 2345)
+    assert leaver.prefix == "tmrun/gen4/handover1" and (Handover.LEAVER, Handover.JOINER) == (0, 1)
+    assert Leave.from_message({"gen": 4}, rank=1).handover is None  # nobody to hand over to
+    assert Handover.of_joiner(GroupSpec.from_message({**prepare, "handover": False})) is None
+
+
+# -- errors in the swap's threads are said once and told to the agent ----------------------------
+
+def warnings_of(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_build_of_the_next_group_is_warned_once_and_reported_in_switched(monkeypatch, caplog):
+    """Phase 1 fails on this worker: it says so once (rank, generations), goes back to training in
+    its group instead of never voting ready, and the next ``switched`` carries the reason."""
+
+    gate = threading.Event()
+
+    def refuse(spec: GroupSpec, timeout: float):
+        assert gate.wait(30)
+        raise RuntimeError(f"connect to {spec.store_host}:{spec.store_port} refused")
+
+    monkeypatch.setattr("tmrun.swap.build_group", refuse)
+    prepare = {"v": 1, "type": "prepare", "gen": 2, "rank": 0, "world_size": 2, "store_host": HOST,
+               "store_port": 9, "mode": "agreed", "handover": False}
+    channel = Channel(prepare)
+    run = Run(Identity(0, 2, 0, "active", generation=1), SandboxGroup(0, 2), channel=channel, group_timeout=30)
+    with caplog.at_level(logging.WARNING, logger="tmrun.runtime"):
+        run._follow_agent()
+        pending = run._next
+        assert run.phase is Phase.PREPARING and pending is not None
+        gate.set()
+        with pytest.raises(RuntimeError):
+            pending.wait(30)  # the thread reported the failure before it finished
+        assert not run._ready_to_switch()
+        run._follow_agent()
+    assert run.phase is Phase.ACTIVE and run._next is None
+    warned = warnings_of(caplog)
+    assert len(warned) == 1, warned
+    assert "[rank 0 gen 1 step 0] building a group failed: the group of generation 2 (as rank 0 of 2)" in warned[0]
+    assert f"connect to {HOST}:9 refused" in warned[0]
+    run._record_switch(3, 0.0, 0.0, Exchange(5, (0, 1), (), 0))
+    kind, fields = channel.sent[-1]
+    assert kind == "switched" and "generation 2" in fields["build_error"] and fields["sources"] == 2
+    run._record_switch(4, 0.0, 0.0, Exchange(6, (0,), (1,), 0))
+    assert channel.sent[-1][1]["build_error"] is None  # reported once, with the switch that followed it
+
+
+@pytest.mark.timeout(60)
+def test_a_leaver_whose_pair_was_not_built_says_why_once_and_in_switched(monkeypatch, caplog):
+    def refuse(self: Handover, side: int, timeout: float):
+        raise RuntimeError("the pair's store is gone")
+
+    monkeypatch.setattr(Handover, "build", refuse)
+    leave = {"v": 1, "type": "leave", "gen": 2, "rejoin": False, "store_host": HOST, "store_port": 9}
+    channel = Channel(leave)
+    run = Run(Identity(1, 2, 0, "active", generation=1), SandboxGroup(1, 2), channel=channel, group_timeout=30)
+    with caplog.at_level(logging.WARNING, logger="tmrun.runtime"):
+        run._follow_agent()
+        assert run.phase is Phase.LEAVING and run._pair is not None
+        with pytest.raises(RuntimeError):
+            run._pair.wait(30)
+        assert run.commit() and run._switch  # a failed pair does not hold the switch up
+        with pytest.raises(SystemExit) as exited:
+            run._switch_generation()
+    assert exited.value.code == 0 and run.phase is Phase.LEFT
+    warned = warnings_of(caplog)
+    assert len(warned) == 1 and "the handover pair with the joiner of rank 1 in generation 2" in warned[0], warned
+    kind, fields = channel.sent[-1]
+    assert kind == "switched" and fields["left"] and "the pair's store is gone" in fields["handover_error"]
+
+
+@pytest.mark.timeout(60)
+def test_a_takeover_whose_leaver_sends_nothing_is_warned_about_and_reported(store_port, caplog):
+    """The leaver builds the pair and goes away without a byte: the joiner falls back, says so."""
+    channel = Channel()
+    run = Run(Identity(1, 2, 0, "standby"), SandboxGroup(1, 2), channel=channel, group_timeout=30)
+    run.track(**replica(0, 0.3, 1))
+    promotion = spec(1, 1, 2, store_port, "agreed", handover=True)
+    run._next = types.SimpleNamespace(spec=promotion)
+
+    def leave() -> None:
+        Handover(1, 1, HOST, store_port).build(Handover.LEAVER, 30).close()
+
+    with caplog.at_level(logging.WARNING, logger="tmrun.runtime"):
+        _, step = in_threads(leave, lambda: run._take_over(promotion))
+    assert step == -1
+    warned = warnings_of(caplog)
+    assert len(warned) == 1 and "the handover from the leaver failed (rank 1, generation 1)" in warned[0], warned
+    run._record_switch(1, 0.0, 0.0, Exchange(5, (0,), (1,), 0))
+    assert channel.sent[-1][0] == "switched" and channel.sent[-1][1]["handover_error"]
+
+
+@pytest.mark.timeout(60)
+def test_an_abandoned_takeover_is_warned_about_and_reported(monkeypatch, store_port, caplog):
+    """A newer generation supersedes the one being joined while the leaver never shows up."""
+    gate = threading.Event()
+    monkeypatch.setattr("tmrun.swap.build_group", lambda spec, timeout: gate.wait(30) and None)
+    newer = {"v": 1, "type": "prepare", "gen": 3, "rank": 1, "world_size": 2, "store_host": HOST,
+             "store_port": store_port, "mode": "now", "handover": False}
+    channel = Channel(newer)
+    run = Run(Identity(1, 2, 0, "standby"), SandboxGroup(1, 2), channel=channel, group_timeout=30)
+    run.track(**replica(0, 0.3, 1))
+    promotion = spec(2, 1, 2, store_port, "agreed", handover=True)
+    assert run._phase.move(Phase.JOINING, "a test's promotion")
+    run._next = types.SimpleNamespace(spec=promotion, drop=lambda: None)
+    try:
+        with caplog.at_level(logging.WARNING, logger="tmrun.runtime"):
+            assert run._take_over(promotion) == -1
+    finally:
+        gate.set()
+    warned = warnings_of(caplog)
+    assert len(warned) == 1 and "the handover from the leaver was abandoned" in warned[0], warned
+    assert run._handover_error == "abandoned: generation 3 superseded generation 2"
+
+
+@pytest.mark.timeout(30)
+def test_orders_a_phase_cannot_take_are_logged_errors_and_not_acted_on(caplog):
+    prepare = {"v": 1, "type": "prepare", "gen": 3, "rank": 0, "world_size": 2, "store_host": HOST,
+               "store_port": 9, "mode": "agreed", "handover": False}
+    channel = Channel({"v": 1, "type": "leave", "gen": 2, "rejoin": False}, prepare)
+    run = Run(Identity(0, 2, 0, "active", generation=1), SandboxGroup(0, 2), channel=channel)
+    with caplog.at_level(logging.WARNING, logger="tmrun.runtime"):
+        run._follow_agent()
+    assert run.phase is Phase.LEAVING and run._next is None  # the prepare was not started
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert errors == ["tmrun: error: [rank 0 gen 1 step 0] phase move refused: leaving -> preparing is not allowed "
+                      "(prepare of generation 3); staying leaving"]

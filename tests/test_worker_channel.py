@@ -41,6 +41,7 @@ def line(kind: str, **fields) -> bytes:
     (line("hello", rank=0, pid=0), "hello: field 'pid' has a bad value 0"),
     (line("broken", gen=1, step=2), "broken: field 'error' is missing"),
     (line("switched", gen=1, step=2, sources=[0, 1]), "switched: field 'sources' has a bad value [0, 1]"),
+    (line("switched", gen=1, step=2, handover_error=3), "switched: field 'handover_error'"),
     (line("prepare", gen=1, rank=0, world_size=2, store_host="h", store_port=1, mode="later", handover=False),
      "prepare: field 'mode'"),
 ])

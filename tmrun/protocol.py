@@ -12,12 +12,14 @@ Worker → agent:
   after a switch; shown by ``tmrun status``, and the agent's hang watchdog feeds on it.
 - ``ready``     {gen}: this worker has built the communicator of generation ``gen``.
 - ``switched``  {gen, step, stall, build, transfer, bytes_received, from_leaver, handover_s,
-  handover_error, sources, phase1_steps, phase1_step_time, normal_step_time}: this worker trains in
-  ``gen`` from ``step`` on; ``sources`` is how many ranks held the state (a count, so the message
-  does not grow with the job). A leaver sends {gen, step, left, rejoin, bytes_sent, transfer,
-  handover_error} instead, just before it exits (or, with ``rejoin``, becomes a standby again in
-  the same process). ``handover_error`` is null, or why the handover between leaver and joiner
-  failed or was abandoned (the joiner then took the state from the replicas).
+  handover_error, build_error, sources, phase1_steps, phase1_step_time, normal_step_time}: this
+  worker trains in ``gen`` from ``step`` on; ``sources`` is how many ranks held the state (a
+  count, so the message does not grow with the job). A leaver sends {gen, step, left, rejoin,
+  bytes_sent, transfer, handover_error} instead, just before it exits (or, with ``rejoin``,
+  becomes a standby again in the same process). ``handover_error`` is null, or why the handover
+  between leaver and joiner failed or was abandoned (the joiner then took the state from the
+  replicas); ``build_error`` is null, or why building a group of a generation this worker did not
+  switch to failed since its last switch (the worker logged it when it happened).
 - ``broken``    {gen, step, error}: a collective of ``gen`` failed; the worker waits for a plan.
 
 Agent → worker:
@@ -27,8 +29,10 @@ Agent → worker:
   ``now`` (the current group is broken: switch as soon as the group is built). ``handover``: this
   joiner receives its state from the leaver whose rank it takes.
 - ``leave``     {gen, rejoin[, store_host, store_port]}: this worker is not part of ``gen``; vote
-  for the switch, then exit 0 (``rejoin``: wait as a standby for the next ``prepare`` instead). With a store: first build the handover pair with the joiner that takes
-  this rank and, at the switch, send it the tracked state.
+  for the switch, then exit 0 (``rejoin``: wait as a standby for the next ``prepare`` instead).
+  With a store: first build the handover pair with the joiner that takes this rank and, at the
+  switch, send it the tracked state. The leaver (from ``leave`` and its rank) and the joiner (from
+  ``prepare`` with ``handover``) describe the pair alike, as :class:`tmrun.swap.Handover`.
 
 
 Every message is checked against its schema (:data:`FIELDS`) when it is decoded: a required field
@@ -78,6 +82,10 @@ def _bool(value: Any) -> bool:
     return isinstance(value, bool)
 
 
+def _str_or_none(value: Any) -> bool:
+    return value is None or isinstance(value, str)
+
+
 def _mode(value: Any) -> bool:
     return value in ("agreed", "now")
 
@@ -92,7 +100,8 @@ FIELDS: dict[str, tuple[dict[str, Check], dict[str, Check]]] = {
                  {"stall": _number, "build": _number, "transfer": _number, "bytes_received": _int,
                   "from_leaver": _int, "handover_s": _number, "sources": _int, "phase1_steps": _int,
                   "phase1_step_time": _number_or_none, "normal_step_time": _number_or_none, "left": _bool,
-                  "rejoin": _bool, "bytes_sent": _int}),
+                  "rejoin": _bool, "bytes_sent": _int, "handover_error": _str_or_none,
+                  "build_error": _str_or_none}),
     "broken": ({"gen": _int, "step": _int, "error": _str}, {}),
     "prepare": ({"gen": _int, "rank": _int, "world_size": _positive, "store_host": _str, "store_port": _positive,
                  "mode": _mode, "handover": _bool}, {}),

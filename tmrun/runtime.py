@@ -38,7 +38,9 @@ import torch.distributed as dist
 
 from tmrun.channel import AgentChannel
 from tmrun.groups import Group, RealGroup, SandboxGroup
-from tmrun.swap import Exchange, GroupSpec, NextGroup, TakeOver, exchange_state, flatten, hand_over, portable
+from tmrun.phases import Phase, Phases
+from tmrun.swap import (Exchange, GroupSpec, Handover, Leave, ModelMismatch, NextGroup, StateLost, TakeOver,
+                         exchange_state, flatten, hand_over, portable)
 
 log = logging.getLogger("tmrun.runtime")
 
@@ -54,7 +56,7 @@ class Identity:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
-    role: str = "single"  # single | active | standby
+    role: str = "single"  # as launched: single | active | standby (run.role follows the phase)
     generation: int = 0
     master_addr: str = ""
     master_port: int = 0
@@ -72,7 +74,11 @@ class Identity:
 
 
 class Run:
-    """One worker's view of the job: its rank, its group, its tracked state, its step loop."""
+    """One worker's view of the job: its rank, its group, its tracked state, its step loop.
+
+    What the worker is doing is its phase (:mod:`tmrun.phases`), changed only by
+    ``self._phase.move``; the attributes beside it are data that a phase uses.
+    """
 
     def __init__(self, identity: Identity, group: Group, *, channel: AgentChannel | None = None,
                  max_retries: int = 3, warmup: int = 3, group_timeout: float = 120.0,
@@ -87,18 +93,21 @@ class Run:
         self.step = 0  # the next step index to run (the job's)
         self.device = torch.device("cpu")
         self.swaps: list[dict[str, Any]] = []  # what each switch cost, for logs and tests
+        self._phase = Phases(Phase.STANDBY if identity.role == "standby" else Phase.ACTIVE,
+                             lambda text: self._warn("phase move refused", text, level=logging.ERROR))
         self._tracked: dict[str, Any] = {}
         self._error: BaseException | None = None
         self._voted: bool | None = None
         self._switch = False
         self._rng: torch.Tensor | None = None
-        self._next: NextGroup | None = None
-        self._leave_gen = 0
-        self._rejoin = False  # a leaver that becomes a standby again instead of exiting
-        self._handover: NextGroup | None = None  # a leaver's pair with the joiner taking its rank
-        self._handover_bytes = 0  # what a joiner received from the leaver in the pending switch
+        self._next: NextGroup | None = None  # the newest generation's group being built (phase 1)
+        self._leave: Leave | None = None  # the agent's leave order (kept while JOINING or RECOVERING)
+        self._pair: NextGroup | None = None  # the leaver's end of its handover pair, being built
+        # what the pending switch reports: bytes and seconds from the leaver, and why something failed
+        self._handover_bytes = 0
         self._handover_seconds = 0.0
-        self._handover_error: str | None = None  # why the pending switch's handover failed, if it did
+        self._handover_error: str | None = None  # why this joiner's handover failed or was abandoned
+        self._build_error: str | None = None  # why building a group failed since the last switch
         self._last_progress = 0.0
         self._step_times: collections.deque = collections.deque(maxlen=64)  # (seconds, during phase 1)
 
@@ -113,11 +122,17 @@ class Run:
 
     @property
     def is_main(self) -> bool:
-        return self.identity.rank == 0 and self.identity.role != "standby"
+        return self.identity.rank == 0 and self.role != "standby"
+
+    @property
+    def phase(self) -> Phase:
+        """What this worker is doing now (see :mod:`tmrun.phases`)."""
+        return self._phase.now
 
     @property
     def role(self) -> str:
-        return self.identity.role
+        """``single`` (no launcher), else ``standby`` or ``active`` as the phase says."""
+        return "single" if self.identity.role == "single" else self._phase.now.role
 
     @property
     def generation(self) -> int:
@@ -142,10 +157,18 @@ class Run:
         return {"step": self.step, **{name: obj.state_dict() for name, obj in self._tracked.items()}}
 
     # ------------------------------------------------------------------ errors and votes
-    def _warn(self, what: str, error: object) -> None:
-        """One warning line with this worker's identity: an error the swap survives, never swallowed."""
-        log.warning("tmrun: warning: [rank %d gen %d step %d] %s: %s", self.rank, self.generation, self.step, what,
-                    str(error).splitlines()[0][:300] if str(error) else type(error).__name__)
+    def _warn(self, what: str, error: object, level: int = logging.WARNING) -> None:
+        """One line with this worker's identity: an error the swap survives, never swallowed."""
+        log.log(level, "tmrun: %s: [rank %d gen %d step %d] %s: %s", logging.getLevelName(level).lower(),
+                self.rank, self.generation, self.step, what,
+                str(error).splitlines()[0][:300] if str(error) else type(error).__name__)
+
+    def _build_failed(self, build: NextGroup, error: BaseException) -> None:
+        """A group's build failed in its thread: said once here, and told to the agent in ``switched``."""
+        text = f"{build.what}: {str(error).splitlines()[0] if str(error) else type(error).__name__}"[:300]
+        self._warn("building a group failed", text)
+        if build.handover is None and self._build_error is None:
+            self._build_error = text  # a handover pair's failure goes in the leaver's ``switched`` instead
 
     def latch(self, error: BaseException) -> None:
         """Remember the first error of this step; ``commit()`` will vote against the step."""
@@ -163,8 +186,7 @@ class Run:
         them switch after this step (phase 2 of a planned swap), without any extra round trip.
         """
         ok = self._error is None
-        leaving = self._leave_gen > 0 and (self._handover is None or self._handover.done)
-        ready = leaving or (self._next is not None and self._next.ready and self._next.spec.mode == "agreed")
+        ready = self._ready_to_switch()
         votes = torch.tensor([1.0 if ok else 0.0, 1.0 if ready else 0.0])
         try:
             self.group.all_reduce(votes, "sum").wait()
@@ -176,6 +198,14 @@ class Run:
         self._voted = agreed
         return agreed
 
+    def _ready_to_switch(self) -> bool:
+        """A leaver once its handover pair is built (or failed); otherwise the next group is built."""
+        if self.phase is Phase.LEAVING:
+            return self._pair is None or self._pair.done
+        if self.phase is Phase.PREPARING:
+            return self._next is not None and self._next.ready and self._next.spec.mode == "agreed"
+        return False
+
     # ------------------------------------------------------------------ the step loop
     def steps(self, total: int) -> Iterator[int]:
         """Yield the job's step indices from ``self.step`` to ``total``; retry steps that failed.
@@ -184,9 +214,16 @@ class Run:
         be promoted and continues at the job's step. Between steps it follows the agent: builds
         the next generation's group in the background, switches when every rank voted ready.
         """
-        if self.role == "standby":
+        try:
+            yield from self._steps(total)
+        except (StepFailed, StateLost, ModelMismatch) as exc:
+            self._phase.move(Phase.FAILED, f"{type(exc).__name__}: {str(exc)[:200]}")
+            raise
+
+    def _steps(self, total: int) -> Iterator[int]:
+        if self.phase is Phase.STANDBY:
             yield from self._shadow(total)
-            if self.role == "standby":
+            if self.phase is Phase.STANDBY:
                 return  # no agent to promote this standby: the warm-up was all there was to do
         tries = 0
         while self.step < total:
@@ -204,28 +241,29 @@ class Run:
                 continue
             tries = 0
             self.step += 1
-            self._step_times.append((time.monotonic() - started, self._next is not None))
+            self._step_times.append((time.monotonic() - started, self.phase is Phase.PREPARING))
             self._report_progress(time.monotonic() - started)
             if self._switch:
                 self._switch_generation()
             elif self._failover_due():
                 self._fail_over()
         self._finish_pending_switch()
+        self._phase.move(Phase.FINISHED, f"the loop ended at step {self.step} of {total}")
 
     def _finish_pending_switch(self) -> None:
         """The last step ran while a swap was prepared: hand the final state to the joiner anyway,
         so that it ends with the job instead of waiting for a switch that will never be voted."""
-        if self.channel is None or self._leave_gen:
+        if self.channel is None or self.phase is Phase.LEAVING:
             return
         self._follow_agent()
         pending = self._next
-        if pending is None:
+        if self.phase is not Phase.PREPARING or pending is None:
             return
         try:
             self._adopt(pending.spec, pending.wait(self.recover_timeout), time.monotonic(), time.monotonic())
         except (TimeoutError, RuntimeError) as exc:
             self._warn(f"the final state did not reach generation {pending.spec.gen}", exc)
-            self._next = None  # the joiner is gone too: nobody needs the state
+            self._drop_next(pending, "the final state did not reach it")  # the joiner is gone too
 
     def _begin(self) -> None:
         self._error = None
@@ -250,33 +288,38 @@ class Run:
             if message is None:
                 raise SystemExit(0)  # the agent is gone or never promoted us: nothing to do
             if message["type"] == "prepare":
-                spec = GroupSpec.from_message(message)
-                self._promote(spec)
+                self._promote(GroupSpec.from_message(message))
                 return
+            self._phase.move(Phase.LEAVING, f"{message['type']} of generation {message.get('gen')} to a standby")
 
-    def _demote(self) -> None:
+    def _demote(self, left: int) -> None:
         """A leaver that rejoins the pool: become a standby in this process, warm, and wait.
 
         The model and optimizer stay allocated (they are overwritten on the next promotion), so
         the node is a warm standby at once, without a new process.
         """
         self.group = SandboxGroup(self.rank, self.world_size)
-        self.identity = dataclasses.replace(self.identity, role="standby", generation=0)
-        self._leave_gen, self._handover, self._next, self._rejoin = 0, None, None, False
+        self.identity = dataclasses.replace(self.identity, generation=0)
+        self._leave, self._pair = None, None
+        if self._next is not None:
+            self._drop_next(self._next, "left to rejoin the pool")
+        self._phase.move(Phase.STANDBY, f"left generation {left} to rejoin the pool")
         self._wait_for_promotion()
 
     def _promote(self, spec: GroupSpec) -> None:
         started = time.monotonic()
-        self._on_message({"type": "prepare", **dataclasses.asdict(spec)})
+        self._phase.move(Phase.JOINING, f"promoted to rank {spec.rank} of generation {spec.gen}")
+        self._on_prepare(spec)
         my_step = -1
         if spec.handover:
             my_step = self._take_over(spec)
         self._join_next(started, my_step=my_step)
-        self.identity = dataclasses.replace(self.identity, role="active")
 
     def _take_over(self, spec: GroupSpec) -> int:
         """Receive the leaver's state in place; -1 when it failed or a newer generation came first."""
-        receiving = TakeOver(spec, self._tracked, self.group_timeout)
+        handover = Handover.of_joiner(spec)
+        assert handover is not None
+        receiving = TakeOver(handover, self._tracked, self.group_timeout)
         while not receiving.done:
             message = self.channel.wait(timeout=0.05)
             if message is not None:
@@ -290,52 +333,70 @@ class Run:
                 return -1
         if receiving.step < 0:
             self._handover_error = str(receiving.error or "the leaver sent nothing")[:300]
-            self._warn("the handover from the leaver failed, taking the state from the replicas", self._handover_error)
+            self._warn(f"the handover from the leaver failed (rank {handover.rank}, generation {handover.gen}), "
+                       "taking the state from the replicas", self._handover_error)
         self._handover_bytes, self._handover_seconds = receiving.bytes_received, receiving.seconds
         return receiving.step
 
     def _follow_agent(self) -> None:
-        """Handle the agent's messages at a step boundary, without blocking."""
+        """Handle the agent's messages at a step boundary, without blocking; drop a failed build."""
         if self.channel is None:
             return
         while (message := self.channel.poll()) is not None:
             self._on_message(message)
+        pending = self._next
+        if self.phase is Phase.PREPARING and pending is not None and pending.failed:
+            self._drop_next(pending, f"building the group of generation {pending.spec.gen} failed")
 
     def _on_message(self, message: dict[str, Any]) -> None:
         if message["type"] == "leave":
-            self._leave_gen = int(message["gen"])
-            self._rejoin = bool(message.get("rejoin", False))
-            if message.get("store_host") and self._handover is None:
-                pair = GroupSpec.pair(self._leave_gen, str(message["store_host"]), int(message["store_port"]), 0)
-                self._handover = NextGroup(pair, self.group_timeout, lambda s: None, pair_of=self.rank)
+            self._on_leave(Leave.from_message(message, self.rank))
         elif message["type"] == "prepare":
-            spec = GroupSpec.from_message(message)
-            if spec.gen > self.generation and (self._next is None or spec.gen > self._next.spec.gen):
-                self._next = NextGroup(spec, self.group_timeout,
-                                       lambda s: self.channel.send("ready", gen=s.gen))
+            self._on_prepare(GroupSpec.from_message(message))
+
+    def _on_prepare(self, spec: GroupSpec) -> None:
+        """Start building the group of ``spec`` (phase 1); one older than what is pending is ignored."""
+        pending = self._next
+        if spec.gen <= (pending.spec.gen if pending is not None else self.generation):
+            return
+        if self.phase is Phase.ACTIVE:
+            self._phase.move(Phase.PREPARING, f"prepare of generation {spec.gen}")
+        elif self.phase not in (Phase.PREPARING, Phase.JOINING, Phase.RECOVERING):
+            self._phase.move(Phase.PREPARING, f"prepare of generation {spec.gen}")  # refused: logged
+            return
+        if pending is not None:
+            pending.drop()  # superseded: it may wait forever for a rank that is gone
+        self._next = NextGroup(spec, self.group_timeout, lambda s: self.channel.send("ready", gen=s.gen),
+                               self._build_failed)
+
+    def _on_leave(self, leave: Leave) -> None:
+        """Leave at the agreed switch (ACTIVE, PREPARING); kept for later while JOINING or RECOVERING."""
+        current = self._leave
+        if current is not None and leave.gen <= current.gen:
+            return  # the same order again, or an older one
+        if self.phase in (Phase.ACTIVE, Phase.PREPARING):
+            self._phase.move(Phase.LEAVING, f"leave at generation {leave.gen}")
+        elif self.phase not in (Phase.LEAVING, Phase.JOINING, Phase.RECOVERING):
+            self._phase.move(Phase.LEAVING, f"leave at generation {leave.gen}")  # refused: logged
+            return
+        if self._pair is not None:
+            self._pair.drop()  # a newer leave: the joiner of the older one builds no pair any more
+        self._leave = leave
+        self._pair = NextGroup.pair(leave.handover, self.group_timeout, self._build_failed) \
+            if leave.handover is not None else None
+
+    def _drop_next(self, pending: NextGroup, why: str) -> None:
+        """Give up the pending group (PREPARING goes back to ACTIVE)."""
+        pending.drop()
+        if self._next is pending:
+            self._next = None
+            if self.phase is Phase.PREPARING:
+                self._phase.move(Phase.ACTIVE, why)
 
     def _switch_generation(self) -> None:
         """Phase 2: every rank voted ready after a committed step; move to the next group."""
-        if self._leave_gen:
-            started = time.monotonic()
-            sent, failed = 0, None
-            if self._handover is not None and self._handover.ready:
-                try:
-                    sent = hand_over(self._handover.group, self._tracked, self.step)
-                except RuntimeError as exc:  # the joiner is gone: it (or the next one) takes the state from the replicas
-                    failed = str(exc)[:300] or type(exc).__name__
-                    self._warn("the handover to the joiner failed, it takes the state from the replicas", exc)
-                self._handover.group.close()
-            elif self._handover is not None:
-                failed = f"the handover pair was not built: {self._handover.error}"[:300]
-                self._warn("no handover to the joiner, it takes the state from the replicas", failed)
-            self.channel.send("switched", gen=self._leave_gen, step=self.step, stall=0.0, left=True,
-                              rejoin=self._rejoin, bytes_sent=sent, transfer=round(time.monotonic() - started, 4),
-                              handover_error=failed)
-            self.group.close()
-            if not self._rejoin:
-                raise SystemExit(0)  # this rank's place is taken by the joiner
-            self._demote()  # returns once promoted again, with the job's state and step
+        if self.phase is Phase.LEAVING:
+            self._hand_over_and_leave()
             return
         started = time.monotonic()
         pending = self._next
@@ -344,10 +405,34 @@ class Run:
             self._adopt(pending.spec, pending.wait(self.group_timeout), started, started)
         except (TimeoutError, RuntimeError) as exc:  # the old group is gone too: wait for the next generation
             self._warn(f"the switch to generation {pending.spec.gen} failed", exc)
-            if self._next is pending:
-                self._next = None
+            self._drop_next(pending, f"the switch to generation {pending.spec.gen} failed")
             self.latch(exc)
             self._recover(started)
+
+    def _hand_over_and_leave(self) -> None:
+        """The leaver at the agreed switch: hand the state to the joiner, report, then exit (or rejoin)."""
+        leave, pair = self._leave, self._pair
+        assert leave is not None
+        self._phase.move(Phase.HANDING_OVER, f"the switch to generation {leave.gen} was agreed")
+        started = time.monotonic()
+        sent, failed = 0, None
+        if pair is not None and pair.ready:
+            try:
+                sent = hand_over(pair.group, self._tracked, self.step)
+            except RuntimeError as exc:  # the joiner is gone: it (or the next one) takes the state from the replicas
+                failed = str(exc)[:300] or type(exc).__name__
+                self._warn("the handover to the joiner failed, it takes the state from the replicas", exc)
+            pair.group.close()
+        elif pair is not None:  # its thread said why already
+            failed = f"the handover pair was not built: {pair.error}"[:300]
+        self.channel.send("switched", gen=leave.gen, step=self.step, stall=0.0, left=True,
+                          rejoin=leave.rejoin, bytes_sent=sent, transfer=round(time.monotonic() - started, 4),
+                          handover_error=failed)
+        self.group.close()
+        if not leave.rejoin:
+            self._phase.move(Phase.LEFT, f"handed over to generation {leave.gen}")
+            raise SystemExit(0)  # this rank's place is taken by the joiner
+        self._demote(leave.gen)  # returns once promoted again, with the job's state and step
 
     def _failover_due(self) -> bool:
         """A failure's generation (``now``) is built while the old group still works.
@@ -358,7 +443,7 @@ class Run:
         can never commit a step again (see "Fencing" in docs/design.md).
         """
         pending = self._next
-        return pending is not None and pending.spec.mode == "now" and pending.ready and not self._leave_gen
+        return self.phase is Phase.PREPARING and pending is not None and pending.spec.mode == "now" and pending.ready
 
     def _fail_over(self) -> None:
         pending = self._next
@@ -368,16 +453,16 @@ class Run:
             self._adopt(pending.spec, pending.group, started, started)
         except RuntimeError as exc:  # a peer of the new group failed too: the next step or prepare sorts it out
             self._warn(f"the failover to generation {pending.spec.gen} failed", exc)
-            if self._next is pending:
-                self._next = None
+            self._drop_next(pending, f"the failover to generation {pending.spec.gen} failed")
 
     def _recover(self, started: float | None = None) -> None:
         """The group broke: tell the agent, wait for the next generation, rebuild, re-sync state."""
+        self._phase.move(Phase.RECOVERING, f"step {self.step} did not commit: {str(self._error)[:200]}")
         self.channel.send("broken", gen=self.generation, step=self.step, error=str(self._error)[:500])
         self._join_next(time.monotonic() if started is None else started, my_step=self.step)
 
     def _join_next(self, started: float, my_step: int) -> None:
-        """Build the newest generation the agent announces and exchange state in it.
+        """Build the newest generation the agent announces and exchange state in it (JOINING, RECOVERING).
 
         A newer ``prepare`` supersedes one still being built (its group may wait for a rank that
         died meanwhile); a group that fails while state is exchanged is dropped for the next one.
@@ -386,9 +471,8 @@ class Run:
         while time.monotonic() < deadline:
             pending = self._next
             if pending is not None and pending.done:
-                if pending.group is None:
-                    self._warn(f"building the group of generation {pending.spec.gen} failed", pending.error)
-                    self._next = None
+                if pending.group is None:  # its thread said why
+                    self._drop_next(pending, "its build failed")
                     continue
                 try:
                     self._adopt(pending.spec, pending.group, started, time.monotonic(), my_step)
@@ -396,8 +480,7 @@ class Run:
                 except RuntimeError as exc:
                     self._warn(f"generation {pending.spec.gen} failed during the state exchange, "
                                "waiting for the next", exc)
-                    if self._next is pending:
-                        self._next = None
+                    self._drop_next(pending, "it failed during the state exchange")
                     continue
             message = self.channel.wait(timeout=0.05 if pending is not None else deadline - time.monotonic())
             if message is not None:
@@ -416,17 +499,28 @@ class Run:
         self.step = result.step
         self._next = None
         old.close()
+        self._phase.move(Phase.ACTIVE, f"switched to generation {spec.gen} at step {self.step}")
         self._record_switch(spec.gen, started, built, result)
+        leave = self._leave
+        if leave is not None and leave.gen > spec.gen:  # received while joining or recovering
+            self._phase.move(Phase.LEAVING, f"leave at generation {leave.gen}, received before the switch")
+        elif leave is not None:
+            self._warn(f"the leave of generation {leave.gen} is stale", f"this worker switched to generation {spec.gen}")
+            self._leave = None
+            if self._pair is not None:
+                self._pair.drop()
+                self._pair = None
 
     def _record_switch(self, gen: int, started: float, built: float, result: Exchange) -> None:
         now = time.monotonic()
         handover, self._handover_bytes = self._handover_bytes, 0
         handover_s, self._handover_seconds = self._handover_seconds, 0.0
         handover_error, self._handover_error = self._handover_error, None
+        build_error, self._build_error = self._build_error, None
         record = {"gen": gen, "step": self.step, "build": round(built - started, 4),
                   "transfer": round(now - built, 4), "stall": round(now - started, 4),
                   "bytes_received": result.bytes_received + handover, "from_leaver": handover,
-                  "handover_s": round(handover_s, 4), "handover_error": handover_error,
+                  "handover_s": round(handover_s, 4), "handover_error": handover_error, "build_error": build_error,
                   "sources": len(result.sources), **self._phase1_step_times()}
         self.swaps.append(record)
         self._last_progress = 0.0  # the first committed step in the new generation is reported at once

@@ -18,10 +18,15 @@ joiner replaces the leaver), a failure (the joiner replaces a dead rank) and a s
 missed the last commit alike.
 
 A planned swap goes one better (:func:`hand_over` / :class:`TakeOver`): the leaver and the joiner
-that takes its rank build a two-rank *handover* group in phase 1, and at the switch the leaver
-streams its own tracked state to the joiner (one pair per local rank, all pairs at once), which
-loads it once all of it arrived, so the joiner enters the new generation as a source and the
-survivors send nothing. If the leaver is gone before it could hand over, the joiner falls back to the replicas.
+that takes its rank build a two-rank *handover* group in phase 1, both from the same
+:class:`Handover`, and at the switch the leaver streams its own tracked state to the joiner (one
+pair per local rank, all pairs at once), which loads it once all of it arrived, so the joiner
+enters the new generation as a source and the survivors send nothing. If the leaver is gone
+before it could hand over, the joiner falls back to the replicas.
+
+The background threads never raise and never swallow: a :class:`NextGroup` whose build fails
+reports it once to its ``on_error`` (the runtime logs it and tells its agent in ``switched``);
+a :class:`TakeOver` keeps its ``error`` for the runtime, which does the same.
 
 Errors (drawn here; the runtime catches ``RuntimeError`` to drop a group and wait for the next)::
 
@@ -44,7 +49,7 @@ import logging
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -83,7 +88,7 @@ class GroupSpec:
     world_size: int
     store_host: str
     store_port: int
-    mode: str  # agreed | now | handover
+    mode: str  # agreed | now
     handover: bool = False  # a joiner: the leaver whose rank it takes hands its state over
 
     @classmethod
@@ -96,47 +101,147 @@ class GroupSpec:
     def prefix(self) -> str:
         return f"tmrun/gen{self.gen}"
 
+
+@dataclasses.dataclass(frozen=True)
+class Handover:
+    """A planned swap's pairing: the leaver of ``rank`` hands its state to the joiner that takes
+    ``rank`` in generation ``gen``.
+
+    Both ends build this same value from their own message (:meth:`of_leaver` from ``leave`` and
+    the leaver's rank, :meth:`of_joiner` from ``prepare``), and from it the same two-rank group
+    (:meth:`build`): prefix ``tmrun/gen<G>/handover<rank>`` on the generation's store, the leaver
+    member :attr:`LEAVER`, the joiner member :attr:`JOINER`. The plan pairs a leaver with a joiner
+    of the same number of slots, so the leaver's rank ``r`` in the old generation is the joiner's
+    rank ``r`` in the new one.
+    """
+
+    gen: int
+    rank: int  # the rank the joiner takes over: the leaver's before the switch, the joiner's after
+    store_host: str
+    store_port: int
+
+    LEAVER: ClassVar[int] = 0
+    JOINER: ClassVar[int] = 1
+
     @classmethod
-    def pair(cls, gen: int, store_host: str, store_port: int, me: int) -> "GroupSpec":
-        """A handover group of generation ``gen``: the leaver is rank 0, the joiner rank 1."""
-        return cls(gen, me, 2, store_host, store_port, "handover")
+    def of_leaver(cls, message: dict[str, Any], rank: int) -> "Handover | None":
+        """The pairing a ``leave`` asks for (None: no store, nobody to hand over to)."""
+        if not message.get("store_host"):
+            return None
+        return cls(int(message["gen"]), rank, str(message["store_host"]), int(message["store_port"]))
+
+    @classmethod
+    def of_joiner(cls, spec: GroupSpec) -> "Handover | None":
+        """The pairing a ``prepare`` asks for (None: this joiner gets its state from the replicas)."""
+        return cls(spec.gen, spec.rank, spec.store_host, spec.store_port) if spec.handover else None
+
+    @property
+    def prefix(self) -> str:
+        return f"tmrun/gen{self.gen}/handover{self.rank}"
+
+    def build(self, side: int, timeout: float) -> RealGroup:
+        """This side's end of the pair (``side``: :attr:`LEAVER` or :attr:`JOINER`)."""
+        return _connect(self.store_host, self.store_port, self.prefix, side, 2, timeout)
 
 
-def build_group(spec: GroupSpec, timeout: float, pair_of: int | None = None) -> RealGroup:
-    """Connect to the generation's store and build its group (``pair_of``: a handover pair for that rank)."""
+@dataclasses.dataclass(frozen=True)
+class Leave:
+    """A ``leave`` message: this worker is not part of generation ``gen``."""
+
+    gen: int
+    rejoin: bool  # wait as a standby in this process instead of exiting
+    handover: Handover | None  # the joiner that takes this rank, when the state is handed over
+
+    @classmethod
+    def from_message(cls, message: dict[str, Any], rank: int) -> "Leave":
+        return cls(int(message["gen"]), bool(message.get("rejoin", False)), Handover.of_leaver(message, rank))
+
+
+def _connect(host: str, port: int, prefix: str, rank: int, size: int, timeout: float) -> RealGroup:
     delta = datetime.timedelta(seconds=timeout)
-    store = dist.TCPStore(spec.store_host, spec.store_port, spec.world_size, False,
-                          timeout=max(delta, RealGroup.CONNECT_TIMEOUT), wait_for_workers=False)
-    prefix = spec.prefix if pair_of is None else f"{spec.prefix}/handover{pair_of}"
-    return RealGroup(dist.PrefixStore(prefix, store), spec.rank, spec.world_size, delta)
+    store = dist.TCPStore(host, port, size, False, timeout=max(delta, RealGroup.CONNECT_TIMEOUT),
+                          wait_for_workers=False)
+    return RealGroup(dist.PrefixStore(prefix, store), rank, size, delta)
+
+
+def build_group(spec: GroupSpec, timeout: float) -> RealGroup:
+    """Connect to the generation's store and build its group."""
+    return _connect(spec.store_host, spec.store_port, spec.prefix, spec.rank, spec.world_size, timeout)
 
 
 class NextGroup:
-    """The next generation's group, being built in a thread."""
+    """A group being built in a thread: the next generation's, or a leaver's handover pair.
 
-    def __init__(self, spec: GroupSpec, timeout: float, on_ready: Callable[[GroupSpec], None],
-                 pair_of: int | None = None) -> None:
+    A failed build is reported once, from the thread, to ``on_error`` (the runtime logs it with its
+    identity and tells its agent), unless :meth:`drop` came first; ``error`` keeps it. A dropped
+    group (superseded by a newer generation, or refused) is closed, also when it is built later.
+    """
+
+    def __init__(self, spec: GroupSpec, timeout: float, on_ready: Callable[[GroupSpec], None] | None = None,
+                 on_error: Callable[["NextGroup", BaseException], None] | None = None, *,
+                 handover: Handover | None = None) -> None:
         self.spec = spec
-        self._pair_of = pair_of
+        self.handover = handover  # set: this is the leaver's end of that pair, not a generation's group
         self.group: RealGroup | None = None
         self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._dropped = False
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._build, args=(timeout, on_ready), daemon=True,
+        connect = (lambda: build_group(spec, timeout)) if handover is None else \
+            (lambda: handover.build(Handover.LEAVER, timeout))
+        self._thread = threading.Thread(target=self._build, args=(connect, on_ready, on_error), daemon=True,
                                         name=f"tmrun-build-gen{spec.gen}")
         self._thread.start()
 
-    def _build(self, timeout: float, on_ready: Callable[[GroupSpec], None]) -> None:
+    @classmethod
+    def pair(cls, handover: Handover, timeout: float,
+             on_error: Callable[["NextGroup", BaseException], None] | None = None) -> "NextGroup":
+        """The leaver's end of ``handover``, built in a thread."""
+        spec = GroupSpec(handover.gen, Handover.LEAVER, 2, handover.store_host, handover.store_port, "agreed")
+        return cls(spec, timeout, None, on_error, handover=handover)
+
+    @property
+    def what(self) -> str:
+        """This group in words, for a log line."""
+        if self.handover is not None:
+            return f"the handover pair with the joiner of rank {self.handover.rank} in generation {self.spec.gen}"
+        return f"the group of generation {self.spec.gen} (as rank {self.spec.rank} of {self.spec.world_size})"
+
+    def _build(self, connect: Callable[[], RealGroup], on_ready: Callable[[GroupSpec], None] | None,
+               on_error: Callable[["NextGroup", BaseException], None] | None) -> None:
         try:
-            self.group = build_group(self.spec, timeout, self._pair_of)
-            on_ready(self.spec)
-        except BaseException as exc:  # reported, never raised in a thread
+            group = connect()
+            with self._lock:
+                self.group = group
+                if self._dropped:
+                    group.close()
+                    return
+            if on_ready is not None:
+                on_ready(self.spec)
+        except BaseException as exc:  # reported to on_error, never raised in a thread
             self.error = exc
+            with self._lock:
+                report = on_error is not None and not self._dropped
+            if report:
+                on_error(self, exc)
         finally:
             self._done.set()
+
+    def drop(self) -> None:
+        """Nobody will use this group: close it (now, or once built) and report no failure of it."""
+        with self._lock:
+            self._dropped = True
+            group = self.group
+        if group is not None:
+            group.close()
 
     @property
     def ready(self) -> bool:
         return self._done.is_set() and self.group is not None
+
+    @property
+    def failed(self) -> bool:
+        return self._done.is_set() and self.group is None
 
     @property
     def done(self) -> bool:
@@ -304,14 +409,16 @@ def _leaf_blob(group: RealGroup, leaves: dict[str, Any], src: int, receivers: tu
 
 
 def hand_over(group: RealGroup, tracked: dict[str, Any], step: int) -> int:
-    """The leaver's side of a planned swap: send the header, every tensor and the leaves to rank 1."""
+    """The leaver's side of a planned swap, over its end of the :class:`Handover` pair: send the
+    header, every tensor and the leaves to the joiner."""
+    joiner = Handover.JOINER
     tensors, leaves = flatten({name: obj.state_dict() for name, obj in tracked.items()})
     leaves = portable(leaves)
-    group.send(torch.tensor([step, _signature(tensors)], dtype=torch.int64), 1, 0).wait()
-    works = [group.send(tensor, 1, index + 1) for index, (_, tensor) in enumerate(tensors)]
+    group.send(torch.tensor([step, _signature(tensors)], dtype=torch.int64), joiner, 0).wait()
+    works = [group.send(tensor, joiner, index + 1) for index, (_, tensor) in enumerate(tensors)]
     for work in works:
         work.wait()
-    _leaf_blob(group, leaves, 0, (1,), len(tensors) + 1)
+    _leaf_blob(group, leaves, Handover.LEAVER, (joiner,), len(tensors) + 1)
     return _nbytes(tensors)
 
 
@@ -330,7 +437,8 @@ class TakeOver:
     standby, idle until then) while the handover runs; the leaver still copies nothing.
     """
 
-    def __init__(self, spec: GroupSpec, tracked: dict[str, Any], timeout: float) -> None:
+    def __init__(self, handover: Handover, tracked: dict[str, Any], timeout: float) -> None:
+        self.handover = handover
         self.step = -1
         self.bytes_received = 0
         self.seconds = 0.0  # from the leaver's header to the last byte: the transfer itself
@@ -339,8 +447,8 @@ class TakeOver:
         self._lock = threading.Lock()
         self._abandoned = False
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(spec, tracked, timeout), daemon=True,
-                                        name=f"tmrun-takeover-gen{spec.gen}")
+        self._thread = threading.Thread(target=self._run, args=(handover, tracked, timeout), daemon=True,
+                                        name=f"tmrun-takeover-gen{handover.gen}")
         self._thread.start()
 
     @property
@@ -356,25 +464,25 @@ class TakeOver:
         with self._lock:
             self._abandoned = True
 
-    def _run(self, spec: GroupSpec, tracked: dict[str, Any], timeout: float) -> None:
+    def _run(self, handover: Handover, tracked: dict[str, Any], timeout: float) -> None:
         group = None
+        leaver = Handover.LEAVER
         try:
-            group = build_group(GroupSpec.pair(spec.gen, spec.store_host, spec.store_port, 1), timeout,
-                                pair_of=spec.rank)
+            group = handover.build(Handover.JOINER, timeout)
             states = {name: obj.state_dict() for name, obj in tracked.items()}
             tensors, leaves = flatten(states)
             header = torch.zeros(2, dtype=torch.int64)
-            group.recv(header, 0, 0).wait()
+            group.recv(header, leaver, 0).wait()
             started = time.monotonic()
             if int(header[1]) != _signature(tensors):
                 raise RuntimeError("the leaver's tracked state differs in parameter names, shapes or dtypes "
                                    "from the joiner's")
             staged = [torch.empty_like(tensor) for _, tensor in tensors]
-            works = [group.recv(buffer, 0, index + 1) for index, buffer in enumerate(staged)]
+            works = [group.recv(buffer, leaver, index + 1) for index, buffer in enumerate(staged)]
             self.receiving.set()
             for work in works:
                 work.wait()
-            blob = _leaf_blob(group, leaves, 0, (1,), len(tensors) + 1)
+            blob = _leaf_blob(group, leaves, leaver, (Handover.JOINER,), len(tensors) + 1)
             with self._lock:
                 if self._abandoned:
                     return
