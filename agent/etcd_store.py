@@ -362,6 +362,16 @@ class EtcdStore(Store):
         got = await self._call("get", lambda c: c.get(key.encode()))
         return None if got is None else _entry(got)
 
+    async def stat(self, key: str) -> tuple[int, int]:
+        raw = key.encode()
+        got = await self._call("stat", lambda c: c.get_prefix(raw, keys_only=True))
+        return next((kv.mod_revision for kv in got.kvs if kv.key == raw), 0), got.header.revision
+
+    async def keys(self, prefix: str) -> list[str]:
+        _check_prefix(prefix)
+        got = await self._call("keys", lambda c: c.get_prefix(prefix.encode(), keys_only=True))
+        return sorted(key for key in (decode_key(kv.key) for kv in got.kvs) if key is not None)
+
     async def get_prefix(self, prefix: str) -> tuple[dict[str, Entry], int]:
         _check_prefix(prefix)
         got = await self._call("get_prefix", lambda c: c.get_prefix(prefix.encode()))
@@ -535,5 +545,5 @@ def _event(raw: aetcd.Event) -> Event | None:
         return None
     if raw.kind == aetcd.EventKind.PUT:
         value = decode_value(key, kv.value, kv.mod_revision)
-        return None if value is None else Event("put", key, value, kv.mod_revision)
+        return None if value is None else Event("put", key, value, kv.mod_revision, kv.create_revision)
     return Event("delete", key, None, kv.mod_revision)

@@ -35,17 +35,24 @@ FILE_NAME = "events.jsonl"
 MAX_EVENTS = 1000  # events kept under events/; the oldest go when a new one is written
 
 
-async def append_event(store: Store, keys: JobKeys, seq: int, record: EventRecord, *, once: bool = False) -> None:
+async def append_event(store: Store, keys: JobKeys, seq: int, record: EventRecord, *, once: bool = False,
+                       known: list[str] | None = None) -> None:
     """Write ``events/<seq>`` (with ``once``: only if absent) and delete the oldest events beyond
-    :data:`MAX_EVENTS`. ``seq`` is wall-clock nanoseconds, so key order is time order."""
+    :data:`MAX_EVENTS`. ``seq`` is wall-clock nanoseconds, so key order is time order.
+
+    ``known``: the event keys already there, when the caller has them (the leader's copy of the
+    job's keys); otherwise they are read, keys only.
+    """
     key = keys.event(seq)
     if once:
         if not await store.create(key, record.to_dict()):
             return
     else:
         await store.put(key, record.to_dict())
-    entries, _ = await store.get_prefix(keys.events)
-    for old in sorted(entries)[:-MAX_EVENTS]:
+    if known is None:
+        known = list(await store.keys(keys.events))
+    present = sorted({*known, key})
+    for old in present[:-MAX_EVENTS]:
         await store.delete(old)
 
 

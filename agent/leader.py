@@ -2,9 +2,12 @@
 
 Any agent can lead. Each campaigns by creating the ``leader`` key bound to its lease; the winner
 runs the driver below until it loses the key (its lease expired or it stopped), and then another
-agent wins. The driver reads the job's keys, asks :func:`agent.policy.decide`, applies the
-decision with compare-and-set on ``plan`` and waits for the next change or the decision's
-deadline. The leader hosts the torch TCPStore of each generation it starts.
+agent wins. The driver keeps a copy of the job's keys (:class:`agent.mirror.Mirror`: one read,
+then the watch's values), asks :func:`agent.policy.decide` on it, applies the decision with
+compare-and-set on ``plan``, waits until its copy shows its own writes, and waits for the next
+change or the decision's deadline. Nodes' progress reports change no decision and wake nobody.
+A campaigning agent looks again only when the ``leader`` key changes. The leader hosts the
+torch TCPStore of each generation it starts.
 """
 
 from __future__ import annotations
@@ -14,13 +17,14 @@ import collections
 import dataclasses
 import logging
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from agent.changes import Changes
 from agent.config import AgentConfig
 from agent.errors import StoreError
 from agent.history import append_event
 from agent.keys import JobKeys
+from agent.mirror import Mirror
 from agent.policy import Action, Cluster, Clock, Decision, Limits, NodeView, decide, failure_pending, quorum_reached
 from agent.records import EventRecord, NodeRecord, Outcome, Plan, Request, parse
 from agent.skipped import warn_skipped
@@ -30,31 +34,50 @@ from agent.swap_report import describe, summarize
 log = logging.getLogger("tmrun.leader")
 
 RETRY = 1.0  # seconds before looking again while etcd is unavailable
+CATCH_UP = 2.0  # seconds the leader waits for its own writes to show in its copy of the keys
 
 
-def read_cluster(keys: JobKeys, entries: dict[str, Entry]) -> tuple[Cluster, Entry | None]:
+def read_cluster(keys: JobKeys, entries: dict[str, Entry], parsed: dict[str, tuple[int, Any]] | None = None,
+                 changed_at: Callable[[str], int] | None = None) -> tuple[Cluster, Entry | None]:
     """A :class:`Cluster` snapshot from the job's keys, and the plan's entry (for CAS).
 
     A value that is not a valid record is left out (one warning per key and revision): a node
     record that does not parse, or that names another node than its key, is as good as absent.
+    ``parsed`` keeps the node records and the plan parsed by an earlier call, by key and the
+    revision ``changed_at`` gives (default: the entry's mod_revision; the leader's copy gives the
+    last change that was not progress only): a leader of 1,000 nodes parses only what changed.
     """
     nodes: dict[str, NodeView] = {}
     requests: list[tuple[int, Request]] = []
+    parsed = {} if parsed is None else parsed
+    for key in [k for k in parsed if k not in entries]:
+        del parsed[key]
+
+    def cached(cls, key: str, entry: Entry):
+        revision = (changed_at(key) if changed_at else 0) or entry.mod_revision
+        known = parsed.get(key)
+        if known is None or known[0] != revision:
+            record = parse(cls, entry)
+            if cls is NodeRecord and record is not None:
+                record = (record, record.run_state)  # parsed once, not on every look
+            known = parsed[key] = (revision, record)
+        return known[1]
+
     for key, entry in entries.items():
         rel = keys.relative(key)
         if rel.startswith("nodes/"):
-            rec = parse(NodeRecord, entry)
+            rec, run = cached(NodeRecord, key, entry) or (None, None)
             if rec is not None and rec.node != rel[len("nodes/"):]:
                 warn_skipped(key, entry.mod_revision, f"the record names node {rec.node!r}")
             elif rec is not None:
-                nodes[rec.node] = NodeView(rec.node, entry.create_revision, rec.slots, rec.standby_hint,
-                                           rec.run_state, entry.mod_revision)
+                nodes[rec.node] = NodeView(rec.node, entry.create_revision, rec.slots, rec.standby_hint, run,
+                                           entry.mod_revision)
         elif rel.startswith("requests/"):
             req = parse(Request, entry)
             if req is not None and req.state == "pending":
                 requests.append((entry.create_revision, req))
     plan_entry = entries.get(keys.plan)
-    plan = parse(Plan, plan_entry)
+    plan = None if plan_entry is None else cached(Plan, keys.plan, plan_entry)
     finished = parse(Outcome, entries.get(keys.outcome)) is not None
     ordered = tuple(req for _, req in sorted(requests, key=lambda item: item[0]))
     return Cluster(nodes, plan, ordered, finished), plan_entry
@@ -77,6 +100,8 @@ class Leader:
                               t.failure_window, t.standby_fill)
         self._tcp_stores: collections.deque = collections.deque(maxlen=3)
         self._swaps_reported: set[int] = set()
+        self._parsed: dict[str, tuple[int, Any]] = {}
+        self._mirror: Mirror | None = None
         self.is_leader = False
 
     async def run(self) -> None:
@@ -100,37 +125,56 @@ class Leader:
     async def _campaign(self) -> None:
         seen = self._changes.version
         current = await self._store.get(self._keys.leader)
-        if current is None and not await self._drain_pending():
+        mine = current is not None and current.lease == self.lease and current.value.get("node") == self._cfg.node
+        if mine:  # this agent's term was cut by an etcd error while its key lived on: lead again
+            log.info("%s leads job %s again", self._cfg.node, self._cfg.job_id)
+        elif current is None and not await self._drain_pending():
             record = {"v": 1, "node": self._cfg.node, "host": self._cfg.host, "since": self._wall()}
-            if await self._store.create(self._keys.leader, record, lease=self.lease):
+            mine = await self._store.create(self._keys.leader, record, lease=self.lease)
+            if mine:
                 log.info("%s leads job %s", self._cfg.node, self._cfg.job_id)
-                self.is_leader = True
-                try:
-                    await self._lead()
-                finally:
-                    self.is_leader = False
-                return
-        await self._changes.wait(seen)
+        if mine:
+            self.is_leader = True
+            self._mirror = Mirror(self._store, self._keys.root)
+            try:
+                await self._mirror.start()
+                await self._lead(self._mirror)
+            finally:
+                self.is_leader = False
+                await self._mirror.close()
+            return
+        await self._leader_changed(seen)
 
-    async def _lead(self) -> None:
+    async def _leader_changed(self, seen: int) -> None:
+        """Wait until the ``leader`` key changes (or the watch was away): the shared watch also
+        wakes for every new plan, which decides no campaign."""
+        changes, known, reconnects = self._changes, self._changes.latest(self._keys.leader), self._changes.reconnects
+        while True:
+            await changes.wait(seen)
+            if changes.latest(self._keys.leader) is not known or changes.reconnects != reconnects \
+                    or not changes.connected:
+                return
+            seen = changes.version
+
+    async def _lead(self, mirror: Mirror) -> None:
         rendezvous_since = self._clock()
         settle = 2.0 * self._cfg.timeouts.lease_ttl  # agents whose lease expired meanwhile register again
-        settled_at, reconnects = rendezvous_since + settle, self._changes.reconnects
+        settled_at, reconnects = rendezvous_since + settle, mirror.reconnects
         quorum_since: float | None = None
         failure_since: tuple[int, float] | None = None
         last_reason = ""
         while True:
-            seen = self._changes.version
-            entries, _ = await self._store.get_prefix(self._keys.root)
+            seen = mirror.version
+            entries = mirror.snapshot()
             leader = entries.get(self._keys.leader)
             if leader is None or leader.value.get("node") != self._cfg.node:
                 log.warning("%s is no longer the leader", self._cfg.node)
                 return
-            cluster, plan_entry = read_cluster(self._keys, entries)
+            cluster, plan_entry = read_cluster(self._keys, entries, self._parsed, mirror.changed_at)
             await self._report_swap(cluster)
             now = self._clock()
-            if self._changes.reconnects != reconnects:  # etcd was away: keys may be missing for a moment
-                settled_at, reconnects = now + settle, self._changes.reconnects
+            if mirror.reconnects != reconnects:  # etcd was away: keys may be missing for a moment
+                settled_at, reconnects = now + settle, mirror.reconnects
             if quorum_reached(cluster, self._limits):
                 quorum_since = now if quorum_since is None else quorum_since
             else:
@@ -148,7 +192,7 @@ class Leader:
                 last_reason = decision.reason
             if decision.action is Action.WAIT:
                 timeout = None if decision.until is None else max(0.0, decision.until - self._clock())
-                await self._changes.wait(seen, timeout)
+                await mirror.wait(seen, timeout)
                 continue
             me = self._cfg.node
             if decision.action in (Action.START, Action.AMEND) and decision.out.get(me) == "drained" \
@@ -158,15 +202,23 @@ class Leader:
                 log.info("%s is being drained: handing leadership over", me)
                 await self._store.delete(self._keys.leader)
                 return
-            await self._apply(decision, cluster, plan_entry)
+            written = await self._apply(decision, cluster, plan_entry)
+            # Decide next on a copy that holds these writes (the watch brings them a moment later).
+            latest = max([(await self._store.stat(key))[0] for key in written], default=0)
+            if not await mirror.caught_up(latest, CATCH_UP):
+                log.warning("%s: the job's keys did not show the leader's own write within %g s", self._cfg.node,
+                            CATCH_UP)
 
-    async def _apply(self, decision: Decision, cluster: Cluster, plan_entry: Entry | None) -> None:
+    async def _apply(self, decision: Decision, cluster: Cluster, plan_entry: Entry | None) -> list[str]:
+        """Carry ``decision`` out; returns the keys written."""
         plan = cluster.plan
         gen = plan.gen if plan else 0
+        written: list[str] = []
         if decision.action is Action.FINISH:
             outcome = Outcome(decision.outcome, decision.reason, gen, self._wall())
-            await self._store.create(self._keys.outcome, outcome.to_dict())
-            await self._event(decision, gen)
+            written.append(self._keys.outcome)
+            if await self._store.create(self._keys.outcome, outcome.to_dict()):
+                await self._event(decision, gen)
         elif decision.action in (Action.START, Action.AMEND):
             if decision.action is Action.START:
                 gen, host, port = gen + 1, self._cfg.host, await self._new_tcp_store()
@@ -180,10 +232,10 @@ class Leader:
                             decision.hot, decision.mode, decision.joiners, dict(decision.handover),
                             decision.requested or (plan.requested if plan and decision.action is Action.AMEND
                                                    else self._wall()), decision.hot_swaps)
-            written = await self._store.replace(self._keys.plan, new_plan.to_dict(),
-                                                mod_revision=plan_entry.mod_revision if plan_entry else 0)
-            if not written:
-                return  # someone else changed the plan: look again
+            written.append(self._keys.plan)
+            if not await self._store.replace(self._keys.plan, new_plan.to_dict(),
+                                             mod_revision=plan_entry.mod_revision if plan_entry else 0):
+                return written  # someone else changed the plan: look again
             await self._event(decision, gen)
         for answer in decision.answers:
             key = self._keys.request(answer.request_id)
@@ -195,8 +247,10 @@ class Leader:
                 continue
             request = dataclasses.replace(request, state=answer.state, answer=answer.text, gen=gen)
             await self._store.replace(key, request.to_dict(), mod_revision=entry.mod_revision)
+            written.append(key)
         if decision.action is Action.ANSWER:
             await self._event(decision, gen)
+        return written
 
     async def _drain_pending(self) -> bool:
         entries, _ = await self._store.get_prefix(self._keys.requests)
@@ -222,12 +276,16 @@ class Leader:
             return
         self._swaps_reported.add(plan.gen)
         record = EventRecord(summary["at"], "swap", describe(summary), plan.gen, summary)
-        await append_event(self._store, self._keys, int(summary["at"] * 1e9), record, once=True)
+        await append_event(self._store, self._keys, int(summary["at"] * 1e9), record, once=True,
+                           known=self._known_events())
 
     async def _event(self, decision: Decision, gen: int) -> None:
         record = EventRecord(self._wall(), decision.kind or decision.action.value, decision.reason, gen,
                              {"members": list(decision.members), "out": dict(decision.out)})
-        await append_event(self._store, self._keys, time.time_ns(), record)
+        await append_event(self._store, self._keys, time.time_ns(), record, known=self._known_events())
+
+    def _known_events(self) -> list[str] | None:
+        return None if self._mirror is None else self._mirror.keys_under(self._keys.events)
 
     async def _new_tcp_store(self) -> int:
         """Host a fresh TCPStore for the new generation; keep the last few alive.

@@ -56,12 +56,13 @@ class _Change:
     key: str
     data: bytes | None
     revision: int
+    create_revision: int = 0
 
     def event(self) -> Event | None:
         if self.data is None:
             return Event("delete", self.key, None, self.revision)
         value = decode_value(self.key, self.data, self.revision)
-        return None if value is None else Event("put", self.key, value, self.revision)
+        return None if value is None else Event("put", self.key, value, self.revision, self.create_revision)
 
 
 def _check_prefix(prefix: str) -> None:
@@ -115,13 +116,14 @@ class MemoryStore(Store):
         revision = self._revision
         done = []
         for key, data, lease in changes:
+            created = 0
             if data is None:
                 del self._data[key]
             else:
                 old = self._data.get(key)
                 created = old.create_revision if old else revision
                 self._data[key] = _Kv(data, created, revision, lease)
-            done.append(_Change(key, data, revision))
+            done.append(_Change(key, data, revision, created))
         self._history.extend(done)
         for watch in list(self._watches):
             for change in done:
@@ -138,6 +140,16 @@ class MemoryStore(Store):
         self._begin()
         kv = self._data.get(key)
         return None if kv is None else _entry(key, kv)
+
+    async def stat(self, key: str) -> tuple[int, int]:
+        self._begin()
+        kv = self._data.get(key)
+        return (0 if kv is None else kv.mod_revision), self._revision
+
+    async def keys(self, prefix: str) -> list[str]:
+        _check_prefix(prefix)
+        self._begin()
+        return sorted(key for key in self._data if key.startswith(prefix))
 
     async def get_prefix(self, prefix: str) -> tuple[dict[str, Entry], int]:
         _check_prefix(prefix)

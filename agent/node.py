@@ -15,8 +15,12 @@ the generation's group, not the lease: see "Fencing" in docs/design.md. When etc
 the agent reads the plan like after any change; if it was replaced meanwhile, the plan says so
 and it stops its workers.
 
-Following the plan is level-triggered: on every change the agent reads ``plan`` and ``outcome``;
-if it is a member of a generation it is not running yet, it stops its old workers first (so no
+Following the plan is level-triggered: on every change of ``plan``, ``outcome`` or ``leader`` (the
+only keys a follower watches; other nodes' reports wake nobody but the leader), on its own news
+and every ``LOOK_AGAIN`` seconds, the agent follows ``outcome`` and ``plan``. Their values come
+with the watch's events; every ``LOOK_AGAIN`` seconds (and after etcd was away) a full look reads
+``outcome`` and asks whether ``plan`` changed unseen (a ``stat``, no value), so a watch that went
+quiet cannot hide a change for long. If it is a member of a generation it is not running yet, it stops its old workers first (so no
 two generations of this node ever run at once) and starts the new ones; if it is not a member it
 runs none; if the plan says it was drained it leaves (``rejoining``: it stops its workers and
 stays, a standby again). Worker exits are reported in its node key, where the leader reads them.
@@ -48,7 +52,7 @@ from agent.keys import JobKeys
 from agent.leader import Leader
 from agent.output import OutputRouter
 from agent.records import NodeRecord, Outcome, Plan, RunState, parse
-from agent.store import Store
+from agent.store import Entry, Store
 from agent.worker_env import worker_env
 from agent.worker_channel import WorkerChannel
 from agent.workers import GroupResult, WorkerGroup, WorkerLaunch
@@ -61,6 +65,8 @@ RETRY = 1.0  # seconds between attempts to reach etcd while it is unreachable
 # without an error (a member stopped and resumed, removed, partitioned) must not leave the agent
 # waiting for an outcome it would never hear of.
 LOOK_AGAIN = 5.0
+PROGRESS_REPORT = 1.0  # seconds between reports that only carry the workers' progress (at least)
+PROGRESS_WRITES = 100.0  # progress reports a second, all nodes together, past PROGRESS_REPORT's
 STOP_TASKS_TIMEOUT = 10.0  # seconds the agent's background tasks get to end once cancelled
 REVOKE_TIMEOUT = 0.5  # seconds a leaving agent tries to revoke its lease (else it expires by itself)
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -73,7 +79,14 @@ class NodeAgent:
         self._store = store
         self._keys = JobKeys(cfg.job_id)
         self._lease = 0
-        self._changes = Changes(store, self._keys.root)
+        # What a follower looks at: not the other nodes' records, so that a node's report wakes nobody else.
+        self._changes = Changes(store, [self._keys.plan, self._keys.outcome, self._keys.leader,
+                                        self._keys.etcd_member(cfg.node)])
+        self._plan: Plan | None = None  # the plan last read, at mod_revision self._plan_rev (0: none)
+        self._plan_rev = 0
+        self._looked_at, self._looked_reconnects = 0.0, 0  # the last full look at etcd (see _full_look_due)
+        self._progress_reported = 0.0  # when a report last carried the workers' progress (monotonic)
+        self._progress_timer: asyncio.TimerHandle | None = None
         self._group: WorkerGroup | None = None
         self._group_gen = 0
         self._group_wait: asyncio.Task | None = None
@@ -110,7 +123,7 @@ class NodeAgent:
             self._lease = await self._store.grant_lease(self.cfg.timeouts.lease_ttl)
             if not await self._store.create(self._keys.node(self.cfg.node), self._record().to_dict(), lease=self._lease):
                 raise ConfigError(f"node name {self.cfg.node!r} is already in use in job {self.cfg.job_id}")
-            _, revision = await self._store.get_prefix(self._keys.root)
+            _, revision = await self._store.stat(self._keys.plan)
             await self._changes.start(revision + 1)
             await self._channel.start()
             log.info("%s joined job %s (host %s, %d slots)", self.cfg.node, self.cfg.job_id, self.cfg.host,
@@ -125,6 +138,8 @@ class NodeAgent:
             await self._stop_workers()
             return EXIT_STORE
         finally:
+            if self._progress_timer is not None:
+                self._progress_timer.cancel()
             await self._stop_workers()
             for task in background:
                 task.cancel()
@@ -228,7 +243,10 @@ class NodeAgent:
         """
         if self._group_wait is not None and self._group_wait.done():
             await self._on_group_done(self._group_wait.result())
-        outcome = parse(Outcome, await self._store.get(self._keys.outcome))
+        full = self._full_look_due()
+        outcome = None
+        if full or self._changes.latest(self._keys.outcome) is not None:
+            outcome = parse(Outcome, await self._store.get(self._keys.outcome))
         if outcome is not None:  # first: once the job has ended, nothing this node could report matters
             log.info("%s: the job has ended (%s: %s); leaving", self.cfg.node, outcome.state, outcome.reason)
             await self._stop_workers()
@@ -239,10 +257,39 @@ class NodeAgent:
             self._dirty.clear()
             await self._report(self._run)
             self._resync = False
-        plan = parse(Plan, await self._store.get(self._keys.plan))
+        plan = await self._read_plan(full)
+        if full:
+            self._looked_at, self._looked_reconnects = time.monotonic(), self._changes.reconnects
         if plan is not None and await self._reconcile(plan):
             return EXIT_OK
         return None
+
+    def _full_look_due(self) -> bool:
+        """Whether this look reads etcd rather than trusting the watch: every LOOK_AGAIN seconds,
+        after the watch was away, and after a look that failed."""
+        changes = self._changes
+        return (self._resync or not changes.connected or changes.reconnects != self._looked_reconnects
+                or time.monotonic() - self._looked_at >= LOOK_AGAIN)
+
+    async def _read_plan(self, full: bool) -> Plan | None:
+        """The plan, as the watch delivered it; on a full look, a ``stat`` (no value) says whether
+        it changed unseen, and only then is it read. A plan names every node: at 1,000 nodes it is
+        tens of KiB, which a read per look would send to every agent."""
+        seen = self._changes.latest(self._keys.plan)
+        if seen is not None and seen.revision > self._plan_rev:
+            entry: Entry | None = None
+            if seen.value is not None:
+                entry = Entry(seen.key, seen.value, seen.create_revision, seen.revision)
+        elif full:
+            mod, _ = await self._store.stat(self._keys.plan)
+            if mod == self._plan_rev:
+                return self._plan
+            entry = await self._store.get(self._keys.plan)
+        else:
+            return self._plan
+        self._plan_rev = seen.revision if entry is None and seen is not None else (entry.mod_revision if entry else 0)
+        self._plan = parse(Plan, entry)
+        return self._plan
 
     async def _reregister(self, expired: int) -> None:
         """etcd answered that lease ``expired`` is gone: take a new one and publish the node again.
@@ -356,9 +403,10 @@ class NodeAgent:
             if last.get("gen") == message.get("gen") and "first_step_at" not in last \
                     and int(message["step"]) > int(last.get("step", 0)):
                 last = {**last, "first_step_at": time.time()}  # the first committed step after a switch
+            urgent = last is not self._run.last_swap  # the first step after a switch: the swap's report waits on it
             self._run = dataclasses.replace(self._run, step=int(message["step"]), step_time=float(message["step_time"]),
                                             last_swap=last)
-            self._dirty.set()
+            self._report_progress(urgent)
         elif kind == "ready":
             self._ready_at[int(message["gen"])] = time.time()
         elif kind == "switched" and message.get("left"):
@@ -394,22 +442,29 @@ class NodeAgent:
             log.warning("%s worker %d: generation %s broke at step %s: %s", self.cfg.node, pid, message.get("gen"),
                         message.get("step"), (message["error"].splitlines() or ["(no error text)"])[0][:300])
 
+    def _report_progress(self, urgent: bool) -> None:
+        """Report the workers' step now and then (each of them says it once a second): the leader
+        decides nothing on it, ``tmrun status`` shows it. Every PROGRESS_REPORT seconds, and
+        less often in a large job, so that all nodes together write about PROGRESS_WRITES a second."""
+        now = time.monotonic()
+        nodes = len(self._plan.members) if self._plan is not None else 1
+        every = max(PROGRESS_REPORT, nodes / PROGRESS_WRITES)
+        if urgent or now - self._progress_reported >= every:
+            self._progress_reported = now
+            self._dirty.set()
+        elif self._progress_timer is None:
+            self._progress_timer = asyncio.get_running_loop().call_later(
+                every - (now - self._progress_reported), self._flush_progress)
+
+    def _flush_progress(self) -> None:
+        self._progress_timer = None
+        self._progress_reported = time.monotonic()
+        self._dirty.set()
+
     async def _start_workers(self, plan: Plan, standby: bool = False) -> None:
         cfg = self.cfg
-        gen_dir = self._log_root / cfg.job_id / cfg.node / (f"standby{plan.gen}" if standby else f"gen{plan.gen}")
         offset = max(0, plan.world_size - cfg.worker.nproc_per_node) if standby else plan.rank_offset(cfg.node)
-        launches = []
-        for local_rank in range(cfg.worker.nproc_per_node):
-            error_file = gen_dir / str(local_rank) / "error.json"
-            error_file.parent.mkdir(parents=True, exist_ok=True)
-            env = worker_env(os.environ, cfg, plan, local_rank, str(error_file), rank_offset=offset)
-            env["TMRUN_AGENT_SOCKET"] = self._channel.path
-            env["TMRUN_ROLE"] = "standby" if standby else "active"
-            launches.append(WorkerLaunch(cfg.worker.argv, env, local_rank, offset + local_rank))
-        router = OutputRouter(cfg.node, log_dir=gen_dir, redirects=cfg.worker.redirects, tee=cfg.worker.tee,
-                              local_ranks_filter=cfg.worker.local_ranks_filter)
-        group = WorkerGroup(launches, router, cfg.timeouts.stop_grace)
-        await group.start()
+        group = await self._spawn(plan, standby, offset)
         self._group, self._group_gen, self._shadow = group, (0 if standby else plan.gen), standby
         self._hello.clear()
         self._progress_at = None  # armed by the first committed step: start-up may take long
@@ -422,6 +477,24 @@ class NodeAgent:
             log.info("%s started generation %d: ranks %d-%d of %d (pids %s)", cfg.node, plan.gen, offset,
                      offset + cfg.worker.nproc_per_node - 1, plan.world_size, pids)
             await self._report(RunState(plan.gen, "running", rank=offset, worker_pids=group.pids, at=time.time()))
+
+    async def _spawn(self, plan: Plan, standby: bool, offset: int) -> WorkerGroup:
+        """Start this node's worker processes (ranks from ``offset``; a standby's are placeholders)."""
+        cfg = self.cfg
+        gen_dir = self._log_root / cfg.job_id / cfg.node / (f"standby{plan.gen}" if standby else f"gen{plan.gen}")
+        launches = []
+        for local_rank in range(cfg.worker.nproc_per_node):
+            error_file = gen_dir / str(local_rank) / "error.json"
+            error_file.parent.mkdir(parents=True, exist_ok=True)
+            env = worker_env(os.environ, cfg, plan, local_rank, str(error_file), rank_offset=offset)
+            env["TMRUN_AGENT_SOCKET"] = self._channel.path
+            env["TMRUN_ROLE"] = "standby" if standby else "active"
+            launches.append(WorkerLaunch(cfg.worker.argv, env, local_rank, offset + local_rank))
+        router = OutputRouter(cfg.node, log_dir=gen_dir, redirects=cfg.worker.redirects, tee=cfg.worker.tee,
+                              local_ranks_filter=cfg.worker.local_ranks_filter)
+        group = WorkerGroup(launches, router, cfg.timeouts.stop_grace)
+        await group.start()
+        return group
 
     async def _on_group_done(self, result: GroupResult) -> None:
         gen = self._group_gen

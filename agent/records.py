@@ -74,11 +74,24 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+# Items that pass as they are: a plan's members and slots, a node's worker pids (a plan of 1,000
+# nodes is checked by every agent on every change: one pass over its items, no call per item).
+_PLAIN_ITEM = {str: str, int: int}
+
+
 def _conform(hint: Any, value: Any, where: str) -> Any:
     """``value`` as a ``hint`` (JSON lists become tuples), or RecordError saying what is wrong."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint is Any:
         return value
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is tuple and isinstance(value, (list, tuple)) and args[0] in _PLAIN_ITEM:
+        plain = _PLAIN_ITEM[args[0]]
+        if all(type(item) is plain for item in value):
+            return tuple(value)
+    if origin is dict and isinstance(value, dict) and args[1] in _PLAIN_ITEM:
+        plain = _PLAIN_ITEM[args[1]]
+        if all(type(k) is str and type(v) is plain for k, v in value.items()):
+            return dict(value)
     if origin in (typing.Union, types.UnionType):
         for arm in args:
             try:

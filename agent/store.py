@@ -33,14 +33,17 @@ class Entry:
 
 @dataclasses.dataclass(frozen=True)
 class Event:
-    """One change seen by a watch. ``value`` is None for deletes."""
+    """One change seen by a watch. ``value`` is None for deletes; ``create_revision`` is the key's
+    (0 for deletes), so that a watcher can keep entries as a read would give them."""
 
     kind: Literal["put", "delete"]
     key: str
     value: dict | None
     revision: int
+    create_revision: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
 class Watch(abc.ABC):
     """A running prefix watch: iterate for events, ``cancel()`` to stop (iteration then ends)."""
 
@@ -64,6 +67,18 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def get(self, key: str) -> Entry | None:
         """The entry at ``key`` or None."""
+
+    @abc.abstractmethod
+    async def stat(self, key: str) -> tuple[int, int]:
+        """``key``'s mod_revision (0 when absent) and the store's revision, without the value.
+
+        A cheap look: is the key still what was read (or delivered by a watch) earlier? Where to
+        start a watch from now?
+        """
+
+    @abc.abstractmethod
+    async def keys(self, prefix: str) -> list[str]:
+        """The keys under ``prefix``, in order, without their values."""
 
     @abc.abstractmethod
     async def get_prefix(self, prefix: str) -> tuple[dict[str, Entry], int]:

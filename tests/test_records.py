@@ -55,7 +55,8 @@ def test_records_round_trip_and_convert_lists() -> None:
     assert Plan.from_dict(plan.to_dict()) == plan
     assert Plan.from_dict({**plan.to_dict(), "members": ["a", "b"], "created": 5}).created == 5.0
     for bad in ({"members": ["a", "c"]}, {"members": ["a", "a"]}, {"slots": {"a": 1, "b": -1}},
-                {"out": {"a": 1}}, {"store_port": "1"}):
+                {"out": {"a": 1}}, {"store_port": "1"}, {"members": ["a", 2]}, {"members": ["a", None]},
+                {"slots": {"a": 1, "b": True}}, {"slots": {"a": 1, "b": 2.0}}, {"joiners": [["b"]]}):
         with pytest.raises(RecordError):
             Plan.from_dict({**plan.to_dict(), **bad})
 

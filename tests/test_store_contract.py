@@ -151,6 +151,20 @@ def test_get_prefix_returns_entries_and_revision(backend: Backend, prefix: str) 
     run(backend, body)
 
 
+def test_stat_gives_the_key_s_mod_revision_and_the_store_s_revision(backend: Backend, prefix: str) -> None:
+    async def body(store: Store) -> None:
+        first = await store.put(prefix + "plan", {"gen": 1})
+        await store.put(prefix + "planned", {"other": True})  # a longer key with the same start is another key
+        assert await store.stat(prefix + "plan") == (first, first + 1)
+        later = await store.put(prefix + "plan", {"gen": 2})
+        assert await store.stat(prefix + "plan") == (later, later)
+        assert await store.stat(prefix + "absent") == (0, later)
+        assert await store.keys(prefix + "plan") == [prefix + "plan", prefix + "planned"]
+        assert await store.keys(prefix + "none/") == []
+
+    run(backend, body)
+
+
 def test_create_only_if_absent(backend: Backend, prefix: str) -> None:
     async def body(store: Store) -> None:
         assert await store.create(prefix + "c", {"who": "first"}) is True

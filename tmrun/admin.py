@@ -130,10 +130,11 @@ async def drain(store: Store, job: str, node: str, *, wait: bool, timeout: float
         raise UnknownNode(f"unknown node {node!r} in job {job} (nodes: {listed})")
     if parse(Outcome, await store.get(keys.outcome)) is not None:
         raise TmrunError(f"job {job} has already ended")
-    _, revision = await store.get_prefix(keys.root)
-    changes = Changes(store, keys.root)
-    await changes.start(revision + 1)
     request = Request(uuid.uuid4().hex[:12], "drain", node, time.time(), rejoin=rejoin)
+    _, revision = await store.stat(keys.plan)
+    # What this command waits on: its request's answer, the node's key, the plan, the job's end.
+    changes = Changes(store, [keys.request(request.id), keys.node(node), keys.plan, keys.outcome])
+    await changes.start(revision + 1)
     try:
         await store.put(keys.request(request.id), request.to_dict())
         progress(f"drain {node}: requested (request {request.id})")
