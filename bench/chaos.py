@@ -62,7 +62,7 @@ def run_seed(seed: int, root: Path, ref: Path) -> dict:
         row.update(ok=True, hot=outcome.hot, epilogue=outcome.epilogue,
                    end_s=None if outcome.epilogue else round(outcome.end_s, 2))
     except AssertionError as exc:
-        row.update(ok=False, error=str(exc).splitlines()[0][:300])
+        row.update(ok=False, error=str(exc).splitlines()[0][:300], detail=str(exc)[-3000:])  # the job's stderr
     except Exception as exc:  # the harness itself failed: a failure of this seed, said as such
         row.update(ok=False, error=f"harness: {exc!r}"[:300], trace=traceback.format_exc()[-2000:])
     for job in started:

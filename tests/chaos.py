@@ -18,7 +18,9 @@ second fault, when there is one, lands a few steps after the first ("two events 
 
 - the job exits 0, within ``END_BOUND`` seconds of its last committed step; unless a worker was
   killed or stopped after its own last step (in the script's epilogue): then it must exit 1 and
-  say the worker failed "after the job's last step" (no swap can redo an epilogue);
+  say so: the worker failed "after the job's last step", or, when its loss was seen before the
+  others finished, a standby was swapped in but "the job's last step ran before" it could switch
+  in (seed 18); no swap can redo an epilogue;
 - weights bit-identical to an uninterrupted run (``reference``);
 - every step committed exactly once per rank;
 - the workers of ranks no fault touched keep their process ids, where the schedule promises it:
@@ -156,7 +158,7 @@ def _run(schedule: Schedule, workdir: Path, reference: Path, start: Callable[[li
     if any(pids & finished for pids in struck):
         # a worker killed or stopped after its last step, in the script's epilogue: no swap can redo that
         # part of the script, and the job must say it failed (issue 9: an honest end), with no step doubled
-        assert code == 1 and "after the job's last step" in job.err.text(), \
+        assert code == 1 and "the job's last step" in job.err.text(), \
             f"{where}: a worker struck after the last step, yet tmrun exited {code}\n" + job.err.text()[-4000:]
         return Outcome(schedule, hot, replaced, 0.0, epilogue=True)
     assert code == 0, f"{where}: tmrun exited {code}\n" + job.err.text()[-4000:]
