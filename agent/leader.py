@@ -103,6 +103,9 @@ class Leader:
         self._parsed: dict[str, tuple[int, Any]] = {}
         self._mirror: Mirror | None = None
         self.is_leader = False
+        # When this agent last failed to reach etcd (monotonic; its keepalive and follower set it):
+        # the copy's watch may stall silently in an outage, and keys may vanish right after one.
+        self.store_trouble = 0.0
 
     async def run(self) -> None:
         """Campaign forever; lead whenever elected (not while this node is being drained).
@@ -160,6 +163,7 @@ class Leader:
         rendezvous_since = self._clock()
         settle = 2.0 * self._cfg.timeouts.lease_ttl  # agents whose lease expired meanwhile register again
         settled_at, reconnects = rendezvous_since + settle, mirror.reconnects
+        trouble = self.store_trouble
         quorum_since: float | None = None
         failure_since: tuple[int, float] | None = None
         last_reason = ""
@@ -173,8 +177,9 @@ class Leader:
             cluster, plan_entry = read_cluster(self._keys, entries, self._parsed, mirror.changed_at)
             await self._report_swap(cluster)
             now = self._clock()
-            if mirror.reconnects != reconnects:  # etcd was away: keys may be missing for a moment
-                settled_at, reconnects = now + settle, mirror.reconnects
+            if mirror.reconnects != reconnects or self.store_trouble != trouble:
+                # etcd was away: keys may be missing for a moment (leases expire, agents register again)
+                settled_at, reconnects, trouble = now + settle, mirror.reconnects, self.store_trouble
             if quorum_reached(cluster, self._limits):
                 quorum_since = now if quorum_since is None else quorum_since
             else:

@@ -216,6 +216,7 @@ class NodeAgent:
                     await self._reregister(lease)
                 retry = 0.0 if self._lease != lease else RETRY
             except StoreError as exc:  # etcd away or without a quorum: the workers go on, look again soon
+                self._store_trouble()
                 if self._outage_since is None:
                     self._outage_since = time.monotonic()
                     log.warning("%s: %s; the workers keep running, retrying", self.cfg.node, exc)
@@ -442,6 +443,11 @@ class NodeAgent:
             log.warning("%s worker %d: generation %s broke at step %s: %s", self.cfg.node, pid, message.get("gen"),
                         message.get("step"), (message["error"].splitlines() or ["(no error text)"])[0][:300])
 
+    def _store_trouble(self) -> None:
+        """Tell the leader loop that etcd failed this agent just now (it waits before calling nodes lost)."""
+        if self._leader is not None:
+            self._leader.store_trouble = time.monotonic()
+
     def _report_progress(self, urgent: bool) -> None:
         """Report the workers' step now and then (each of them says it once a second): the leader
         decides nothing on it, ``tmrun status`` shows it. Every PROGRESS_REPORT seconds, and
@@ -567,6 +573,7 @@ class NodeAgent:
                 if await self._store.refresh_lease(lease) <= 0:
                     await self._reregister(lease)
             except StoreError as exc:  # unreachable, no quorum, or an answer that is no answer
+                self._store_trouble()
                 away = time.monotonic() - last_ok
                 if bound and away > bound:
                     raise ControlPlaneLost(f"etcd at {self._store.endpoint} unreachable for {away:.0f} s "
