@@ -30,15 +30,38 @@ from agent.store import Event, Store
 log = logging.getLogger("tmrun.agent")
 
 
-class Changes:
+class Versioned:
+    """A version that moves on every change, and a wait for the next move (shared by Changes and
+    agent.mirror.Mirror)."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self._event = asyncio.Event()
+
+    def _bump(self) -> None:
+        self.version += 1
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait(self, seen: int, timeout: float | None = None) -> None:
+        """Return once ``version`` moved past ``seen`` or ``timeout`` seconds passed."""
+        if self.version != seen:
+            return
+        event = self._event
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+
+class Changes(Versioned):
     def __init__(self, store: Store, prefixes: str | Sequence[str], *, max_wait: float = 2.0) -> None:
+        super().__init__()
         self._store = store
         self._prefixes = (prefixes,) if isinstance(prefixes, str) else tuple(prefixes)
-        self._event = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._latest: dict[str, Event] = {}
         self._max_wait = max_wait
-        self.version = 0
         self.connected = True  # False while a watch is being re-established
         self.reconnects = 0  # how many times a watch came back after etcd was away
         self.on_event: Callable[[Event], None] | None = None  # told of each event as it arrives (timing)
@@ -88,21 +111,6 @@ class Changes:
                     _, now = await self._store.stat(prefix)
                     revision = now + 1
                 return await self._store.watch_prefix(prefix, start_revision=revision), revision
-
-    def _bump(self) -> None:
-        self.version += 1
-        self._event.set()
-        self._event = asyncio.Event()
-
-    async def wait(self, seen: int, timeout: float | None = None) -> None:
-        """Return once ``version`` moved past ``seen`` or ``timeout`` seconds passed."""
-        if self.version != seen:
-            return
-        event = self._event
-        try:
-            await asyncio.wait_for(event.wait(), timeout)
-        except asyncio.TimeoutError:
-            pass
 
     async def close(self) -> None:
         for task in self._tasks:

@@ -21,6 +21,7 @@ import logging
 
 import tenacity
 
+from agent.changes import Versioned
 from agent.errors import StoreCompacted, StoreError, StoreUnavailable
 from agent.store import Entry, Event, Store
 
@@ -42,19 +43,18 @@ def progress_only(old: Entry | None, event: Event) -> bool:
     return all(run_before[k] == run_after[k] for k in run_before if k not in PROGRESS_FIELDS)
 
 
-class Mirror:
+class Mirror(Versioned):
     """Entries under ``prefix``, kept current by a watch; ``version`` moves on every change that
     matters (see :func:`progress_only`)."""
 
     def __init__(self, store: Store, prefix: str, *, max_wait: float = 2.0) -> None:
+        super().__init__()
         self._store = store
         self._prefix = prefix
         self._entries: dict[str, Entry] = {}
         self._changed: dict[str, int] = {}  # key -> revision of its last change that was not progress only
         self._task: asyncio.Task | None = None
-        self._event = asyncio.Event()
         self._max_wait = max_wait
-        self.version = 0
         self.revision = 0  # of the last change applied (or of the read)
         self.connected = False
         self.reconnects = 0  # how many times the copy came back after etcd was away
@@ -140,20 +140,6 @@ class Mirror:
                 return False
             await self.wait(self.version, left)
         return True
-
-    def _bump(self) -> None:
-        self.version += 1
-        self._event.set()
-        self._event = asyncio.Event()
-
-    async def wait(self, seen: int, timeout: float | None = None) -> None:
-        """Return once ``version`` moved past ``seen`` or ``timeout`` seconds passed."""
-        if self.version != seen:
-            return
-        try:
-            await asyncio.wait_for(self._event.wait(), timeout)
-        except asyncio.TimeoutError:
-            pass
 
     async def close(self) -> None:
         if self._task is not None:
