@@ -52,6 +52,7 @@ from agent.keys import JobKeys
 from agent.leader import Leader
 from agent.output import OutputRouter
 from agent.records import NodeRecord, Outcome, Plan, RunState, parse
+from agent.roles import Role, Roles
 from agent.store import Entry, Store
 from agent.worker_env import worker_env
 from agent.worker_channel import WorkerChannel
@@ -97,7 +98,7 @@ class NodeAgent:
         self._socket_dir = tempfile.mkdtemp(prefix="tmrun-sock-")
         self._channel = WorkerChannel(os.path.join(self._socket_dir, "agent.sock"), self._on_worker_message)
         self._hello: set[int] = set()
-        self._shadow = False  # the running workers are a standby's shadow workers
+        self._role = Roles(lambda message: log.error("%s: role %s", cfg.node, message))
         self._shadow_failed = False
         self._leave_sent = 0
         self._ready_at: dict[int, float] = {}  # gen -> when the last local worker said ready
@@ -141,6 +142,8 @@ class NodeAgent:
             if self._progress_timer is not None:
                 self._progress_timer.cancel()
             await self._stop_workers()
+            if self._role.now is not Role.GONE:
+                self._role.move(Role.GONE, "the agent stops")
             for task in background:
                 task.cancel()
             if background:  # bounded: a task that ignores its cancel must not keep the node (and the job) alive
@@ -250,7 +253,8 @@ class NodeAgent:
             outcome = parse(Outcome, await self._store.get(self._keys.outcome))
         if outcome is not None:  # first: once the job has ended, nothing this node could report matters
             log.info("%s: the job has ended (%s: %s); leaving", self.cfg.node, outcome.state, outcome.reason)
-            await self._stop_workers()
+            await self._stop_workers("the job ended")
+            self._role.move(Role.GONE, f"the job ended ({outcome.state})")
             await self._store.put(self._keys.node_done(self.cfg.node), {"v": 1, "node": self.cfg.node,
                                                                          "at": time.time()})
             return EXIT_OK if outcome.state == "succeeded" else EXIT_FAILED
@@ -317,18 +321,23 @@ class NodeAgent:
         node = self.cfg.node
         running = self._group_wait is not None and not self._group_wait.done()
         why = plan.out.get(node)
-        if why in ("drained", "rejoining") and plan.mode == "swap-agreed" and running and not self._shadow:
-            if self._leave_sent != plan.gen:  # planned swap: leave at the switch the ranks agree on
+        role = self._role.now
+        if why in ("drained", "rejoining") and plan.mode == "swap-agreed" and running \
+                and role in (Role.MEMBER, Role.LEAVING):
+            # planned swap: leave at the switch the ranks agree on (again if the plan moved on meanwhile)
+            if self._leave_sent != plan.gen and (role is Role.LEAVING or self._role.move(
+                    Role.LEAVING, f"{why} in generation {plan.gen}'s planned swap")):
                 self._leave_sent = plan.gen
                 self._send_leave(plan)
             return False
         if why == "drained":
-            await self._stop_workers()
+            await self._stop_workers("drained")
+            self._role.move(Role.GONE, "drained")
             log.info("%s was drained: leaving the job", node)
             return True
         if why is not None:
-            if not (why == "rejoining" and self._shadow):  # a rejoined standby keeps its shadow workers
-                await self._stop_workers()
+            if not (why == "rejoining" and role is Role.SHADOW):  # a rejoined standby keeps its shadow workers
+                await self._stop_workers(f"out of generation {plan.gen} ({why})")
             if why != "rejoining":
                 if self._run.state != "idle":
                     await self._report(RunState(plan.gen, "idle", at=time.time()))
@@ -347,17 +356,17 @@ class NodeAgent:
                 if plan.mode.startswith("swap") and running:
                     self._prepare(plan)  # hot swap: keep the workers, hand them the next generation
                 elif plan.mode.startswith("swap"):
-                    await self._stop_workers()
+                    await self._stop_workers(f"generation {plan.gen} starts from standby workers")
                     await self._start_workers(plan, standby=True)
                     self._prepare(plan)
                 else:
-                    await self._stop_workers()
+                    await self._stop_workers(f"generation {plan.gen} restarts the workers")
                     await self._start_workers(plan)
             return False
-        if plan.hot and self._group is None and not self._shadow_failed:
+        if plan.hot and role is Role.IDLE and not self._shadow_failed:
             await self._start_workers(plan, standby=True)  # shadow iterations: warm, then wait
-        elif not plan.hot and self._group is not None:
-            await self._stop_workers()
+        elif not plan.hot and role.has_workers:
+            await self._stop_workers(f"generation {plan.gen} has no standbys")
             await self._report(RunState(plan.gen, "idle", at=time.time()))
         return False
 
@@ -373,10 +382,20 @@ class NodeAgent:
                  f", handing its state to {plan.handover[self.cfg.node]}" if store else "")
 
     def _prepare(self, plan: Plan) -> None:
+        """Hand the running workers generation ``plan.gen`` without a restart (a member's next
+        group, or a standby promoted)."""
+        role = self._role.now
+        if role not in (Role.SHADOW, Role.MEMBER):
+            log.error("%s: role %s: only a member or a standby can be prepared for generation %d; not sent",
+                      self.cfg.node, role.value, plan.gen)
+            return
+        promoted = role is Role.SHADOW
+        if promoted and not self._role.move(Role.MEMBER, f"promoted into generation {plan.gen}"):
+            return
         offset = plan.rank_offset(self.cfg.node)
         self._group.renumber(offset)  # a promoted standby's placeholder ranks become its real ones
         mode = "now" if plan.mode == "swap-now" else "agreed"
-        handover = self.cfg.node in plan.handover.values() and self._shadow
+        handover = self.cfg.node in plan.handover.values() and promoted
         self._prepared_at[plan.gen] = time.time()
         for local_rank, pid in enumerate(self._group.pids):
             self._channel.send(pid, "prepare", gen=plan.gen, rank=offset + local_rank, world_size=plan.world_size,
@@ -384,7 +403,7 @@ class NodeAgent:
                                handover=handover)
         log.info("%s: generation %d prepared without restart (%s, ranks %d-%d)", self.cfg.node, plan.gen,
                  plan.mode, offset, offset + len(self._group.pids) - 1)
-        self._group_gen, self._shadow = plan.gen, False
+        self._group_gen = plan.gen
         self._run = dataclasses.replace(self._run, gen=plan.gen, state="running", rank=offset, at=time.time())
         self._dirty.set()
 
@@ -415,9 +434,11 @@ class NodeAgent:
             if message.get("handover_error"):
                 log.warning("%s worker %d: no handover to the joiner in generation %s: %s", self.cfg.node, pid,
                             message.get("gen"), str(message["handover_error"])[:300])
-            if message.get("rejoin"):  # the leaver's workers are standbys again, warm, in the same processes
+            if message.get("rejoin") and (self._role.now is Role.SHADOW or self._role.move(
+                    Role.SHADOW, f"its workers left generation {message.get('gen')} to rejoin")):
+                # the leaver's workers are standbys again, warm, in the same processes
                 log.info("%s worker %d left generation %s and waits as a standby", self.cfg.node, pid, message.get("gen"))
-                self._shadow, self._group_gen = True, 0
+                self._group_gen = 0
                 self._run = RunState(0, "shadow", worker_pids=group.pids, at=time.time(), runtime=True)
                 self._dirty.set()
         elif kind == "switched":
@@ -469,9 +490,12 @@ class NodeAgent:
 
     async def _start_workers(self, plan: Plan, standby: bool = False) -> None:
         cfg = self.cfg
+        role, why = (Role.SHADOW, "standby workers start") if standby else (Role.MEMBER, f"generation {plan.gen} starts")
+        if not self._role.move(role, why):
+            return
         offset = max(0, plan.world_size - cfg.worker.nproc_per_node) if standby else plan.rank_offset(cfg.node)
         group = await self._spawn(plan, standby, offset)
-        self._group, self._group_gen, self._shadow = group, (0 if standby else plan.gen), standby
+        self._group, self._group_gen = group, (0 if standby else plan.gen)
         self._hello.clear()
         self._progress_at = None  # armed by the first committed step: start-up may take long
         self._group_wait = asyncio.ensure_future(group.wait())
@@ -505,19 +529,21 @@ class NodeAgent:
     async def _on_group_done(self, result: GroupResult) -> None:
         gen = self._group_gen
         self._group_wait = None
-        if self._shadow:
+        if self._role.now is Role.SHADOW:
             self._shadow_failed = result.state == "failed"
             log.warning("%s: shadow workers ended (%s, exit %s)", self.cfg.node, result.state, result.exitcode)
-            self._group, self._shadow = None, False
+            self._group = None
+            self._role.move(Role.IDLE, f"the shadow workers ended ({result.state})")
             await self._report(RunState(0, "idle", at=time.time()))
             return
+        self._role.move(Role.ENDED, f"generation {gen}'s workers ended ({result.state})")
         if result.state == "failed":
             log.warning("%s generation %d: worker rank %s exited with %s", self.cfg.node, gen, result.rank,
                         result.exitcode)
         await self._report(dataclasses.replace(self._run, gen=gen, state=result.state, exitcode=result.exitcode,
                                                rank=result.rank, at=time.time()))
 
-    async def _stop_workers(self) -> None:
+    async def _stop_workers(self, why: str = "the agent stops") -> None:
         group, wait = self._group, self._group_wait
         if group is None:
             return
@@ -525,7 +551,8 @@ class NodeAgent:
         if wait is not None:
             await asyncio.gather(wait, return_exceptions=True)
         self._channel.forget(group.pids)
-        self._group, self._group_wait, self._group_gen, self._shadow = None, None, 0, False
+        self._group, self._group_wait, self._group_gen = None, None, 0
+        self._role.move(Role.IDLE, f"workers stopped: {why}")
 
     async def _report(self, run: RunState) -> None:
         self._run = run
@@ -549,7 +576,7 @@ class NodeAgent:
             await asyncio.sleep(min(1.0, limit / 4))
             since = self._progress_at
             group = self._group
-            if since is None or group is None or self._shadow or time.monotonic() - since < limit:
+            if since is None or group is None or self._role.now is Role.SHADOW or time.monotonic() - since < limit:
                 continue
             self._progress_at = None
             log.error("%s: no step committed for %.0f s and no broken group reported: the workers are hung; "

@@ -25,6 +25,7 @@ second fault, when there is one, lands a few steps after the first ("two events 
 - every step committed exactly once per rank;
 - the workers of ranks no fault touched keep their process ids, where the schedule promises it:
   one fault, taken while both standbys were warm (a fault before that may cost a restart);
+- no worker or agent logged a move its phase or role table refuses;
 - nothing left running (the ``jobs`` fixture's check, or ``leftovers`` for the benchmark).
 
 ``python -m bench.chaos`` runs many seeds and writes docs/reliability.md; tests/test_chaos.py runs
@@ -153,6 +154,8 @@ def _run(schedule: Schedule, workdir: Path, reference: Path, start: Callable[[li
             except subprocess.TimeoutExpired:
                 proc.kill()
     where = schedule.describe()
+    refused = [line for line in job.err.text().splitlines() if "is not allowed (" in line]
+    assert not refused, f"{where}: a phase or role move was refused: {refused[:3]}"
     finished = {e["pid"] for e in _events(job.out.text())
                 if e.get("role") == "active" and e.get("step") == STEPS - 1 and e.get("committed")}
     if any(pids & finished for pids in struck):

@@ -51,7 +51,8 @@ def _log_dir(tmp_path, monkeypatch: pytest.MonkeyPatch):
 
 @pytest.fixture
 def jobs(tmp_path):
-    """Start ``tmrun`` jobs; afterwards assert that no process any of them started is still alive."""
+    """Start ``tmrun`` jobs; afterwards assert that no process any of them started is still alive,
+    and that no worker or agent of theirs logged a move its phase or role table refuses."""
     from tests.harness import Job, alive
 
     started: list[Job] = []
@@ -70,3 +71,5 @@ def jobs(tmp_path):
         leftovers += [f"pid {pid}" for pid in job.seen_pids - {job.proc.pid} if alive(pid)]
         job.kill()
     assert not leftovers, f"processes outlived the test: {leftovers}"
+    refused = [line for job in started for line in job.err.text().splitlines() if "is not allowed (" in line]
+    assert not refused, f"refused phase or role moves: {refused[:5]}"

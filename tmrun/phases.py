@@ -1,7 +1,7 @@
 """The worker runtime's phases and the one table of the moves between them.
 
 A :class:`tmrun.runtime.Run` is in exactly one :class:`Phase` at a time and changes it only
-through :meth:`Phases.move`, which checks :data:`MOVES`. A move that is not in the table is a
+through :meth:`Phases.move` (a :class:`tmrun.states.States`), which checks :data:`MOVES`. A move that is not in the table is a
 bug or a contradictory order from the agent: it is logged as an error naming both phases and why
 the move was asked for, and the phase stays as it was. It is never raised into the user's
 training loop and never silently ignored. Which role the worker plays (``standby`` or
@@ -33,6 +33,8 @@ from __future__ import annotations
 import enum
 import logging
 from typing import Callable
+
+from tmrun.states import States
 
 log = logging.getLogger("tmrun.runtime")
 
@@ -70,10 +72,9 @@ MOVES: dict[Phase, frozenset[Phase]] = {
     Phase.FINISHED: frozenset(),
     Phase.FAILED: frozenset(),
 }
-assert set(MOVES) == set(Phase)
 
 
-class Phases:
+class Phases(States[Phase]):
     """One worker's phase; :meth:`move` is the only way to change it.
 
     ``error`` reports a move the table refuses (the runtime passes its own warning path, which
@@ -81,22 +82,7 @@ class Phases:
     """
 
     def __init__(self, start: Phase, error: Callable[[str], None]) -> None:
-        self._now = start
-        self._error = error
-
-    @property
-    def now(self) -> Phase:
-        return self._now
-
-    def move(self, to: Phase, why: str) -> bool:
-        """Go to ``to`` if the table allows it from here (True); otherwise log an error, stay (False)."""
-        came = self._now
-        if to not in MOVES[came]:
-            self._error(f"{came.value} -> {to.value} is not allowed ({why}); staying {came.value}")
-            return False
-        self._now = to
-        log.debug("tmrun: phase %s -> %s: %s", came.value, to.value, why)
-        return True
+        super().__init__(start, MOVES, error, log)
 
 
 __all__ = ["Phase", "Phases", "MOVES"]
