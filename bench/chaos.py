@@ -1,6 +1,7 @@
 """Run many chaos schedules (tests/chaos.py) and write docs/reliability.md.
 
     python -m bench.chaos --seeds 200            # seeds 0..199
+    python -m bench.chaos --from 91 --seeds 200  # seeds 91..199: go on with a run that stopped
     python -m bench.chaos --seed 17 --seed 42    # replay chosen seeds
     python -m bench.chaos --report-only          # the report from the rows saved so far
 
@@ -98,8 +99,8 @@ def report(rows: list[dict], command: str, info: dict) -> str:
         f"{chaos.END_BOUND:g} s of its last step, and nothing left running.",
         "",
         f"Command: `{command}`  ",
-        f"Machine: {info['cpu']}, {info['cores']} cores, {info['memory_gib']} GiB; torch {info['torch']}, "
-        f"commit {info['tmrun_commit']}.",
+        f"Machine: {info['cpu']}, {info['cores']} cores, {info['memory_gib']} GiB; torch {info['torch']}; "
+        f"{_commits(rows, info)}.",
         "",
         f"**{len(rows)} schedules: {len(rows) - len(failed)} passed, {len(failed)} failed.** "
         f"{len(doubles)} had two faults close together. {len(epilogues)} struck a worker after its last step (in",
@@ -123,10 +124,21 @@ def report(rows: list[dict], command: str, info: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _commits(rows: list[dict], info: dict) -> str:
+    """Which commit ran which seeds (a long run may be continued on a later commit)."""
+    seeds: dict[str, list[int]] = collections.defaultdict(list)
+    for row in rows:
+        seeds[row.get("machine", info)["tmrun_commit"]].append(row["seed"])
+    if len(seeds) == 1:
+        return f"commit {next(iter(seeds))}"
+    return "; ".join(f"commit {commit}: seeds {min(s)}-{max(s)} ({len(s)})" for commit, s in seeds.items())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=200, help="run seeds 0..N-1")
+    parser.add_argument("--from", dest="first", type=int, default=0, help="start at this seed (with --seeds)")
     parser.add_argument("--seed", type=int, action="append", help="run this seed (repeatable)")
     parser.add_argument("--no-report", action="store_true", help="do not rewrite docs/reliability.md")
     parser.add_argument("--report-only", action="store_true",
@@ -137,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = list({row["seed"]: row for row in saved}.values())  # a replayed seed: its latest row
         REPORT.write_text(report(rows, saved[-1].get("command", command_line()), saved[-1].get("machine", machine())))
         return summary(rows)
-    seeds = args.seed or list(range(args.seeds))
+    seeds = args.seed or list(range(args.first, args.seeds))
     info, command = machine(), command_line()
     ROWS.parent.mkdir(parents=True, exist_ok=True)
     rows = []
