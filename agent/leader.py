@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from agent.changes import Changes
 from agent.config import AgentConfig
-from agent.errors import StoreError
+from agent.errors import LeaseNotFound, StoreError
 from agent.history import append_event
 from agent.keys import JobKeys
 from agent.mirror import Mirror
@@ -119,7 +119,13 @@ class Leader:
             try:
                 await self._campaign()
                 continue
-            except StoreError as exc:  # unreachable, no quorum, a lease being replaced: nothing to lead now
+            except LeaseNotFound:  # the agent's lease expired: it registers again, then this campaigns with the new one
+                self.is_leader = False
+                log.info("%s: not leading until this agent registers again (its lease %x expired)", self._cfg.node,
+                         self.lease)
+                await self._changes.wait(seen, RETRY)
+                continue
+            except StoreError as exc:  # unreachable, no quorum: nothing to lead now
                 self.is_leader = False
                 log.warning("%s: not leading while etcd is unavailable (%s)", self._cfg.node, exc)
                 await self._changes.wait(seen, RETRY)
