@@ -25,6 +25,10 @@ two generations of this node ever run at once) and starts the new ones; if it is
 runs none; if the plan says it was drained it leaves (``rejoining``: it stops its workers and
 stays, a standby again). Worker exits are reported in its node key, where the leader reads them.
 
+What its workers do for the job is its role (``agent/roles.py``: idle, shadow, member, leaving,
+ended, gone), changed only through the role table; a move the table refuses is logged and its
+action (``leave``, ``prepare``, starting workers) is not taken.
+
 With runtime workers it also times the swap (when each worker said ``ready``, ``switched``, and
 committed its first step in the new generation: ``last_swap`` in its node key, from which the
 leader writes the swap's event) and watches for hangs: no committed step for ``progress``
