@@ -43,9 +43,11 @@ class Event:
     create_revision: int = 0
 
 
-@dataclasses.dataclass(frozen=True)
 class Watch(abc.ABC):
-    """A running prefix watch: iterate for events, ``cancel()`` to stop (iteration then ends)."""
+    """A running prefix watch: iterate for events, ``cancel()`` to stop (iteration then ends).
+
+    Each watch is its own object (equal only to itself): a store keeps its watches in a set.
+    """
 
     @abc.abstractmethod
     def __aiter__(self) -> AsyncIterator[Event]: ...

@@ -328,6 +328,25 @@ def test_watch_cancel_ends_iteration(backend: Backend, prefix: str) -> None:
     run(backend, body)
 
 
+def test_watches_are_independent(backend: Backend, prefix: str) -> None:
+    """Several watches at once each get their events, and cancelling one leaves the others going."""
+    async def body(store: Store) -> None:
+        _, revision = await store.get_prefix(prefix)
+        watches = [await store.watch_prefix(prefix + key, start_revision=revision + 1) for key in ("a", "b", "a")]
+        streams = [aiter(w) for w in watches]
+        await store.put(prefix + "a", {"n": 1})
+        await store.put(prefix + "b", {"n": 2})
+        assert brief(await take(streams[0], 1)) == [("put", prefix + "a", {"n": 1})]
+        assert brief(await take(streams[1], 1)) == [("put", prefix + "b", {"n": 2})]
+        await watches[0].cancel()
+        await store.put(prefix + "a", {"n": 3})
+        assert [e.value for e in await take(streams[2], 2)] == [{"n": 1}, {"n": 3}]
+        for watch in watches[1:]:
+            await watch.cancel()
+
+    run(backend, body)
+
+
 def test_close_ends_watches_and_refuses_operations(backend: Backend, prefix: str) -> None:
     async def body(store: Store) -> None:
         rev = await store.put(prefix + "k", {})
