@@ -8,12 +8,13 @@ rely on (documented in docs/cli.md).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from typing import Any, Callable
 
 from agent.changes import Changes
-from agent.errors import JobNotFound, RequestRejected, TmrunError, UnknownNode
+from agent.errors import JobNotFound, RequestRejected, StoreError, TmrunError, UnknownNode
 from agent.history import read_events
 from agent.keys import JobKeys
 from agent.records import NodeRecord, Outcome, Plan, Request, parse
@@ -142,6 +143,17 @@ async def drain(store: Store, job: str, node: str, *, wait: bool, timeout: float
         answered: Request | None = None
         while True:
             seen = changes.version
+            ended = _ended(changes, keys)
+            if ended is not None:  # from the watch: the job's etcd may stop right after the job ends
+                if answered is None:
+                    with contextlib.suppress(StoreError):
+                        answered = parse(Request, await store.get(keys.request(request.id)))
+                if answered is None or answered.state == "pending":
+                    raise TmrunError(f"job {job} ended before the drain was answered")
+                if answered.state == "rejected":
+                    raise RequestRejected(answered.answer)
+                progress(f"job {job} ended ({ended.state}) while {node} was leaving: {node} is out of it")
+                return answered.answer
             entry = await store.get(keys.request(request.id))
             current = parse(Request, entry) or request
             if answered is None and current.state != "pending":
@@ -166,6 +178,14 @@ async def drain(store: Store, job: str, node: str, *, wait: bool, timeout: float
             await changes.wait(seen, left)
     finally:
         await changes.close()
+
+
+def _ended(changes: Changes, keys: JobKeys) -> Outcome | None:
+    """The job's outcome, if the watch has seen it written."""
+    event = changes.latest(keys.outcome)
+    if event is None or event.value is None:
+        return None
+    return parse(Outcome, Entry(event.key, event.value, event.create_revision, event.revision))
 
 
 async def _back_in_pool(store: Store, keys: JobKeys, node: str) -> bool:
