@@ -46,6 +46,7 @@ READY_TIMEOUT = 60.0
 # Exits that mean "stop": a clean exit (etcd does that when asked, or when it was removed from its
 # cluster) and the polite signals (SLURM ends a step with SIGTERM). Anything else is restarted.
 STOPPED = (0, -signal.SIGTERM, -signal.SIGINT, -signal.SIGHUP)
+NO_QUORUM_WAIT = 3.0  # seconds of failed reads after which a job that ended stops waiting on the others
 KEEPER_TICK = 2.0  # seconds between looks at the member list when no key changes
 
 
@@ -253,8 +254,11 @@ class MemberHost:
         """Keep the member up while it is still needed, at most ``limit`` seconds.
 
         The job ended: until every other agent of the job said it saw the outcome (``done/<node>``);
-        a node whose key vanished with an expired lease may still be waiting for it. This node
-        left a running job: until the keeper removed its member (the cluster stays whole).
+        a node whose key vanished with an expired lease may still be waiting for it. But not
+        while the cluster has no quorum for ``NO_QUORUM_WAIT`` seconds: the other members stopped
+        (the last member up cannot serve anyone alone), and waiting would only hold the job's
+        end. This node left a running job: until the keeper removed its member (the cluster
+        stays whole).
         """
         if self.server is None or not self.server.running():
             return
@@ -263,20 +267,26 @@ class MemberHost:
                                           retry=tenacity.retry_if_result(bool), retry_error_callback=lambda _: None)
         if job_ended:
             waiting: set[str] | None = None
+            failing_since: float | None = None
 
             async def others() -> bool:
-                nonlocal waiting
+                nonlocal waiting, failing_since
                 try:
                     entries, _ = await store.get_prefix(keys.root)
-                except StoreError:
-                    return True  # cannot tell: someone may still need this member's vote
+                except StoreError:  # cannot tell who still needs this member's vote, unless nobody can use it
+                    failing_since = failing_since or time.monotonic()
+                    return waiting != set() and time.monotonic() - failing_since < NO_QUORUM_WAIT
+                failing_since = None
                 left = awaiting_ack(entries, keys, self.layout.hosts, self.node)
                 if left and left != waiting:
                     log.info("%s: the etcd member stays until %s saw the job's end", self.node, ", ".join(sorted(left)))
                 waiting = left
                 return bool(left)
             await retrying(others)
-            if waiting:
+            if failing_since is not None:
+                self._report(f"{self.node}: stopping the etcd member: the job has ended and etcd has had no quorum "
+                             f"for {time.monotonic() - failing_since:.0f} s (the other members stopped)")
+            elif waiting:
                 self._report(f"{self.node}: stopping the etcd member after {limit:g} s; "
                              f"{', '.join(sorted(waiting))} did not say they saw the job's end")
         else:

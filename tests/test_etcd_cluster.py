@@ -142,3 +142,37 @@ def test_a_member_host_waits_for_every_node_that_did_not_see_the_outcome():
     # a node outside the allocation (an external standby) counts while it is registered
     entries = _entries(keys, plan=plan, **{"nodes/extra": {}, "done/node3": {}, "done/node4": {}})
     assert awaiting_ack(entries, keys, hosts, "node1") == {"extra"}
+
+
+@pytest.mark.timeout(60)
+def test_the_last_member_up_stops_waiting_once_etcd_has_had_no_quorum_for_a_while(tmp_path):
+    """The job ended, the other members stopped: reads fail (no quorum). The member stops after
+    NO_QUORUM_WAIT seconds of failed reads, not after release's whole limit, and says why."""
+    import asyncio
+    import time
+
+    from agent.errors import StoreUnavailable
+    from agent.etcd_member import NO_QUORUM_WAIT, MemberHost
+    from agent.keys import JobKeys
+
+    class Running:
+        def running(self) -> bool:
+            return True
+
+    class NoQuorum:
+        reads = 0
+
+        async def get_prefix(self, prefix):
+            self.reads += 1
+            raise StoreUnavailable("etcd cluster has no quorum")
+
+    said: list[str] = []
+    host = MemberHost(layout_for(alloc(4)), "node3", "10.0.0.3", tmp_path, report=said.append)
+    host.server = Running()
+    store = NoQuorum()
+    started = time.monotonic()
+    asyncio.run(host.release(store, JobKeys("812345"), job_ended=True, limit=30.0))
+    took = time.monotonic() - started
+    assert NO_QUORUM_WAIT <= took < NO_QUORUM_WAIT + 2, took
+    assert store.reads >= 2
+    assert len(said) == 1 and "etcd has had no quorum" in said[0] and said[0].startswith("node3: stopping")
