@@ -46,6 +46,7 @@ READY_TIMEOUT = 60.0
 # Exits that mean "stop": a clean exit (etcd does that when asked, or when it was removed from its
 # cluster) and the polite signals (SLURM ends a step with SIGTERM). Anything else is restarted.
 STOPPED = (0, -signal.SIGTERM, -signal.SIGINT, -signal.SIGHUP)
+CLOSE_GRACE = 1.0  # seconds from SIGTERM to SIGKILL when the member's node is done with the job
 NO_QUORUM_WAIT = 3.0  # seconds of failed reads after which a job that ended stops waiting on the others
 KEEPER_TICK = 2.0  # seconds between looks at the member list when no key changes
 
@@ -271,10 +272,11 @@ class MemberHost:
 
             async def others() -> bool:
                 nonlocal waiting, failing_since
+                asked = time.monotonic()
                 try:
                     entries, _ = await store.get_prefix(keys.root)
                 except StoreError:  # cannot tell who still needs this member's vote, unless nobody can use it
-                    failing_since = failing_since or time.monotonic()
+                    failing_since = failing_since or asked
                     return waiting != set() and time.monotonic() - failing_since < NO_QUORUM_WAIT
                 failing_since = None
                 left = awaiting_ack(entries, keys, self.layout.hosts, self.node)
@@ -300,9 +302,11 @@ class MemberHost:
             await retrying(still_member)
 
     def close(self) -> None:
-        """Stop the member and remove its data (the job's cluster is over for this node)."""
+        """Stop the member and remove its data (the job's cluster is over for this node). Its data
+        goes, so a graceful stop buys nothing: a member left without a quorum takes seconds to
+        stop on SIGTERM, and the SLURM step (and the job) would wait for it."""
         if self.server is not None:
-            self.server.stop()
+            self.server.stop(grace=CLOSE_GRACE)
         shutil.rmtree(self.data_dir, ignore_errors=True)
         with contextlib.suppress(OSError):
             self.data_dir.parent.rmdir()  # the job's directory, once the last member on this file system is gone

@@ -60,7 +60,8 @@ _RETRYABLE = (aetcd.ConnectionFailedError, aetcd.ConnectionTimeoutError, aetcd.W
 # overloaded, being removed): worth the next attempt, on the next endpoint.
 _TRANSIENT = ("raft: stopped", "leader changed", "request timed out", "no leader", "server stopped",
               "too many requests", "not capable", "unhealthy cluster", "member has been permanently removed",
-              "context deadline exceeded", "request cancelled", "timed out")
+              "context deadline exceeded", "request cancelled", "timed out",
+              "No status received")  # the call's connection closed under it (a member stopping)
 
 
 def _cancelling() -> bool:

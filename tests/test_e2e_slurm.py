@@ -105,9 +105,10 @@ def submit_gpt(slurm: SlurmCluster, workdir: Path) -> int:
                              "PYTHONUNBUFFERED": "1"})
 
 
-def submit_runtime_job(slurm: SlurmCluster, workdir: Path, steps: int = STEPS) -> int:
+def submit_runtime_job(slurm: SlurmCluster, workdir: Path, steps: int = STEPS, step_time: float = 0.1,
+                       conf: str = FAST) -> int:
     script = (f"srun --ntasks-per-node=1 --no-kill --kill-on-bad-exit=0 tmrun --nnodes 3 --standby 1 "
-              f"--rdzv-conf {FAST} {JOB} {workdir / 'final.pt'} --steps {steps} --step-time 0.1\n")
+              f"--rdzv-conf {conf} {JOB} {workdir / 'final.pt'} --steps {steps} --step-time {step_time}\n")
     return slurm.sbatch(script, nodes=4, workdir=workdir, args=["--no-kill"], env={"PYTHONUNBUFFERED": "1"})
 
 

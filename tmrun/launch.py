@@ -130,7 +130,8 @@ def _save_history(cfg: AgentConfig, log_root: Path | None, report: Callable[[str
         return
 
     async def save() -> Path | None:
-        store = make_store(dataclasses.replace(cfg, timeouts=dataclasses.replace(cfg.timeouts, store_retry=2.0)))
+        # briefly: under SLURM the last agents may find the job's etcd without a quorum already
+        store = make_store(dataclasses.replace(cfg, timeouts=dataclasses.replace(cfg.timeouts, store_retry=1.0)))
         try:
             return await save_history(store, cfg.job_id, log_root)
         finally:
