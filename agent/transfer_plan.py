@@ -272,9 +272,12 @@ def _tensor_plan(data: Any, sources: Mapping[int, SourceLoad]) -> TensorPlan:
         shards.append(Shard(*(_field(shard_body, key, int, f"shard of {name}") for key in ("source", "start", "stop"))))
     at = 0
     for shard in shards:
-        if shard.start != at or shard.stop <= shard.start or shard.stop % itemsize:
-            raise ValueError(f"transfer plan: tensor {name}: shard [{shard.start}, {shard.stop}) does not follow "
-                             f"byte {at} or is empty or not element-aligned")
+        if shard.start != at or shard.stop <= shard.start:
+            raise ValueError(f"transfer plan: tensor {name}: shard [{shard.start}, {shard.stop}) is empty "
+                             f"or does not follow byte {at}")
+        if shard.stop % itemsize:
+            raise ValueError(f"transfer plan: tensor {name}: shard [{shard.start}, {shard.stop}) is not "
+                             f"element-aligned (itemsize {itemsize})")
         if shard.source not in sources:
             raise ValueError(f"transfer plan: tensor {name}: source {shard.source} is not among the plan's sources")
         at = shard.stop
