@@ -212,7 +212,9 @@ def _tensors(tensors: Sequence[Tensor | tuple]) -> list[Tensor]:
 
 
 def _number(value: Any) -> bool:
-    return type(value) in (int, float) and math.isfinite(value) and value >= 0
+    """A finite number >= 0 (numpy's floats included, booleans not)."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and value >= 0)
 
 
 # -- reading a plan back ------------------------------------------------------------------------
@@ -243,7 +245,8 @@ def parse_plan(data: Any) -> TransferPlan:
         if sent[s.rank] != s.nbytes:
             raise ValueError(f"transfer plan: source {s.rank} says {s.nbytes} bytes, its shards hold {sent[s.rank]}")
         if not math.isclose(s.finish, _finish(s.nbytes, Link(s.rate, s.latency)), rel_tol=1e-9, abs_tol=1e-12):
-            raise ValueError(f"transfer plan: source {s.rank} finish {s.finish} does not match its bytes, rate and latency")
+            raise ValueError(f"transfer plan: source {s.rank} finish {s.finish} does not match its bytes, "
+                             "rate and latency")
     finish = _field(body, "finish", float, "plan")
     if not math.isclose(finish, max(s.finish for s in sources), rel_tol=1e-9, abs_tol=1e-12):
         raise ValueError(f"transfer plan: finish {finish} is not the latest source's finish")

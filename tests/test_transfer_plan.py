@@ -290,6 +290,19 @@ def test_a_single_source_sends_everything_uncut() -> None:
     assert plan.finish == pytest.approx(0.01 + 160 * MiB / 2e9)
 
 
+def test_nothing_to_send() -> None:
+    plan = plan_transfer([("empty", 0, 4)], {0: 1e9, 1: 2e9})
+    assert plan.tensors[0].shards == () and plan.finish == 0.0
+    assert parse_plan(json.loads(json.dumps(plan.to_dict()))) == plan
+    assert plan_transfer([], {0: 1e9}).finish == 0.0
+
+
+def test_a_measured_rate_may_be_a_numpy_float_but_not_a_boolean() -> None:
+    assert plan_transfer([("w", 8, 1)], {0: np.float64(1e9)}).sources[0].rate == 1e9
+    with pytest.raises(ValueError, match="rate True"):
+        plan_transfer([("w", 8, 1)], {0: True})
+
+
 def test_the_faster_link_sends_more() -> None:
     plan = plan_transfer([("w", 256 * MiB, 4)], {0: 1e9, 1: 4e9})
     slow, fast = plan.sources
