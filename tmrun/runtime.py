@@ -471,8 +471,8 @@ class Run:
         while time.monotonic() < deadline:
             pending = self._next
             if pending is not None and pending.done:
-                if pending.group is None:  # its thread said why
-                    self._drop_next(pending, "its build failed")
+                if pending.group is None:  # its thread logged why
+                    self._give_up(pending, "its build failed", f"its group was not built: {pending.error}")
                     continue
                 try:
                     self._adopt(pending.spec, pending.group, started, time.monotonic(), my_step)
@@ -480,13 +480,20 @@ class Run:
                 except RuntimeError as exc:
                     self._warn(f"generation {pending.spec.gen} failed during the state exchange, "
                                "waiting for the next", exc)
-                    self._drop_next(pending, "it failed during the state exchange")
+                    self._give_up(pending, "it failed during the state exchange", f"the state exchange failed: {exc}")
                     continue
             message = self.channel.wait(timeout=0.05 if pending is not None else deadline - time.monotonic())
             if message is not None:
                 self._on_message(message)
         raise StepFailed(f"step {self.step}: no working generation came within {self.recover_timeout:g} s "
                          f"(last error: {self._error})")
+
+    def _give_up(self, pending: NextGroup, why: str, error: str) -> None:
+        """Drop a next generation that cannot be joined, and tell the agent (``broken``): this worker
+        is alive and waits for a newer one, which the agent's hang watchdog must know."""
+        self._drop_next(pending, why)
+        self.channel.send("broken", gen=pending.spec.gen, step=self.step,
+                          error=f"generation {pending.spec.gen}: {error}"[:500])
 
     def _adopt(self, spec: GroupSpec, group: RealGroup, started: float, built: float,
                my_step: int | None = None) -> None:
