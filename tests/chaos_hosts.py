@@ -11,7 +11,7 @@ this machine's process list): a worker SIGKILLed or SIGSTOPped, a node's agent (
 or the leader's SIGKILLed, ``tmrun drain`` with and without ``--rejoin`` from outside the
 allocation, and the etcd member on the struck rank's node SIGKILLed (node1's when that node
 hosts none). The checks are the local ones (``chaos.check_end``, ``check_drains``,
-``check_work``), and the job's end within ``chaos.END_BOUND`` seconds of its last committed step,
+``check_work``), and the job's end within ``END_BOUND`` seconds of its last committed step,
 as seen from its output and SLURM's state. One difference: srun counts a SIGKILLed task
 against its step, so a job whose agent (its ``tmrun``) was killed ends FAILED in SLURM's eyes
 however well it went on; there the agents' own word on the outcome is checked instead. Leftover processes on any node are the ``slurm``
@@ -32,6 +32,11 @@ from tests.slurm_cluster import TERMINAL, SlurmCluster, wait_for
 from tests.test_e2e_slurm import etcd_pid, ref_of, submit_runtime_job, wait_steps
 
 STEP_TIME = 0.2  # seconds a step: 120 steps outlast the job's start on four hosts
+# Seconds from the last committed step to SLURM's end of the job. Longer than the local cluster's
+# chaos.END_BOUND: here the end also holds the job's etcd cluster stopping member by member (each
+# waits for the others to have seen the outcome, or for a lost quorum) and SLURM ending the step
+# on four hosts; measured 10-17 s on this machine (docs/reliability.md).
+END_BOUND = 30.0
 ETCD_HOSTS = ("node1", "node2", "node3")
 
 
@@ -77,7 +82,7 @@ def run(plan: chaos.Schedule, slurm: SlurmCluster, reference: Path) -> chaos.Out
         return chaos.Outcome(plan, hot, replaced, 0.0, epilogue=True)
     chaos.check_drains(where, drains, etcd_ends_with_the_job=True)
     chaos.check_work(where, workdir / "final.pt", reference, output, replaced, hot)
-    assert end_s <= chaos.END_BOUND, f"{where}: the job ended {end_s:.1f} s after its last step"
+    assert end_s <= END_BOUND, f"{where}: the job ended {end_s:.1f} s after its last step"
     return chaos.Outcome(plan, hot, replaced, end_s)
 
 
