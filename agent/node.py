@@ -32,10 +32,8 @@ action (``leave``, ``prepare``, starting workers) is not taken.
 With runtime workers it also times the swap (when each worker said ``ready``, ``switched``, and
 committed its first step in the new generation: ``last_swap`` in its node key, from which the
 leader writes the swap's event) and watches for hangs: no committed step for ``progress``
-seconds, without a broken group reported meanwhile, and the workers are killed as hung. A
-``prepare`` arms the watch again: within ``progress`` seconds the workers switch (or say the
-group could not be built: a worker that waits for a peer's build gives up within ``collective``
-seconds); a worker stopped after it reported its group broken says nothing, and is killed.
+seconds, without a broken group reported meanwhile, and the workers are killed as hung. (A
+worker stopped right after it reported its group broken is not caught: chaos seed 116, open.)
 """
 
 from __future__ import annotations
@@ -411,7 +409,6 @@ class NodeAgent:
         log.info("%s: generation %d prepared without restart (%s, ranks %d-%d)", self.cfg.node, plan.gen,
                  plan.mode, offset, offset + len(self._group.pids) - 1)
         self._group_gen = plan.gen
-        self._progress_at = time.monotonic()  # the workers must switch, or say their build failed, in time
         self._run = dataclasses.replace(self._run, gen=plan.gen, state="running", rank=offset, at=time.time())
         self._dirty.set()
 
@@ -437,8 +434,6 @@ class NodeAgent:
             self._report_progress(urgent)
         elif kind == "ready":
             self._ready_at[int(message["gen"])] = time.time()
-            if self._progress_at is not None:
-                self._progress_at = time.monotonic()  # built the next group: alive, waiting for the switch
         elif kind == "switched" and message.get("left"):
             self._progress_at = None
             if message.get("handover_error"):

@@ -21,7 +21,6 @@ SEEDS = {
     7: "a worker killed and a drain in the same step",
     13: "two drains with --rejoin in the job's last step (the drains may meet the job's end)",
     18: "an agent SIGKILLed in the job's last step (its loss may be seen before the others finish)",
-    116: "a worker killed, then another stopped (SIGSTOP) right after it reported its group broken",
 }
 
 
