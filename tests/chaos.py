@@ -146,17 +146,13 @@ def _run(schedule: Schedule, workdir: Path, reference: Path, start: Callable[[li
             job.track()
             time.sleep(fault.delay)  # fault placement inside the step, not a synchronisation
             replaced |= inject(fault, doc, lambda node: _kill_all(_descendants_named(job, "etcd")),
-                               lambda name, rejoin: drains.append(_drain(TMRUN + ["drain", name, "--job", ref.job],
+                               lambda name, rejoin: drains.append(start_drain(TMRUN + ["drain", name, "--job", ref.job],
                                                                          rejoin, workdir)))
             struck.append(struck_pids(fault, doc))
         code = job.wait(240)
         ended = time.monotonic()
     finally:
-        for proc in drains:
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        reap_drains(drains)
     where = schedule.describe()
     if check_end(where, code == 0, job.err.text(), job.out.text(), struck, failed=f"tmrun exited {code}"):
         return Outcome(schedule, hot, replaced, 0.0, epilogue=True)
@@ -276,7 +272,16 @@ def inject(fault: Fault, doc: dict, kill_etcd: Callable[[str | None], None],
     return set(node["ranks"]) if fault.kind in REPLACES else set()
 
 
-def _drain(argv: list[str], rejoin: bool, cwd: Path) -> subprocess.Popen:
+def reap_drains(drains: list[subprocess.Popen], timeout: float = 120) -> None:
+    """Wait for each ``tmrun drain`` a schedule started (killed past ``timeout``)."""
+    for proc in drains:
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def start_drain(argv: list[str], rejoin: bool, cwd: Path) -> subprocess.Popen:
     return subprocess.Popen(argv + (["--rejoin"] if rejoin else []), cwd=cwd, text=True, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
 

@@ -63,15 +63,11 @@ def run(plan: chaos.Schedule, slurm: SlurmCluster, reference: Path) -> chaos.Out
         time.sleep(fault.delay)  # fault placement inside the step, not a synchronisation
         drain = [*TMRUN, "drain", "--rdzv-endpoint", ref.endpoint, "--job", ref.job]
         replaced = chaos.inject(fault, doc, lambda node: _kill_member(slurm, node),
-                                lambda name, rejoin: drains.append(chaos._drain([*drain, name], rejoin, workdir)))
+                                lambda name, rejoin: drains.append(chaos.start_drain([*drain, name], rejoin, workdir)))
         struck = [chaos.struck_pids(fault, doc)]
         state, end_s = _follow(slurm, job_id, 300)
     finally:
-        for proc in drains:
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        chaos.reap_drains(drains)
     output = slurm.output(job_id)
     # srun counts a SIGKILLed task (a killed agent's tmrun) against the step, and SLURM calls the job
     # FAILED however it went on: then the job's own outcome, as every agent printed it, is what counts
