@@ -103,6 +103,7 @@ class NodeAgent:
         self._socket_dir = tempfile.mkdtemp(prefix="tmrun-sock-")
         self._channel = WorkerChannel(os.path.join(self._socket_dir, "agent.sock"), self._on_worker_message)
         self._hello: set[int] = set()
+        self._heard_at: dict[int, float] = {}  # runtime worker pid -> when it last said anything (monotonic)
         self._role = Roles(lambda message: log.error("%s: role %s", cfg.node, message))
         self._shadow_failed = False
         self._leave_sent = 0
@@ -417,6 +418,7 @@ class NodeAgent:
         group = self._group
         if group is None or pid not in group.pids:
             return
+        self._heard_at[pid] = time.monotonic()
         if kind == "hello":
             self._hello.add(pid)
             if all(p in self._hello for p in group.pids) and not self._run.runtime:
@@ -502,6 +504,7 @@ class NodeAgent:
         group = await self._spawn(plan, standby, offset)
         self._group, self._group_gen = group, (0 if standby else plan.gen)
         self._hello.clear()
+        self._heard_at.clear()
         self._progress_at = None  # armed by the first committed step: start-up may take long
         self._group_wait = asyncio.ensure_future(group.wait())
         pids = ", ".join(map(str, group.pids))
@@ -573,20 +576,33 @@ class NodeAgent:
                           self._joined_at, self._run.to_dict())
 
     async def _watchdog(self) -> None:
-        """Kill this node's runtime workers when they committed no step for ``progress`` seconds."""
+        """Kill this node's runtime workers when they are hung: they committed no step for
+        ``progress`` seconds (while training), or one of them said nothing at all, not even its
+        ``alive``, for that long (at any time, waiting for a plan included: a stopped or frozen
+        process; a worker that waits in a collective or for its peers keeps saying ``alive``).
+        A worker that ended its run (``finish``: it hung up) is not watched, whatever it does next."""
         limit = self.cfg.timeouts.progress
         if not limit:
             return await asyncio.Event().wait()  # off: never ends
         while True:
             await asyncio.sleep(min(1.0, limit / 4))
-            since = self._progress_at
             group = self._group
-            if since is None or group is None or self._role.now is Role.SHADOW or time.monotonic() - since < limit:
+            if group is None or self._role.now is Role.SHADOW:
+                continue
+            now, since = time.monotonic(), self._progress_at
+            talking = [pid for pid in group.running if self._channel.connected(pid)]  # the rest ended their run
+            silent = sorted(pid for pid in talking if now - self._heard_at.get(pid, now) >= limit)
+            if since is not None and now - since >= limit and talking:
+                log.error("%s: no step committed for %.0f s and no broken group reported: the workers are hung; "
+                          "killing them (pids %s)", self.cfg.node, now - since, ", ".join(map(str, group.pids)))
+            elif silent:
+                log.error("%s: worker pid %s said nothing for %.0f s (stopped or frozen): the workers are hung; "
+                          "killing them (pids %s)", self.cfg.node, ", ".join(map(str, silent)),
+                          now - self._heard_at[silent[0]], ", ".join(map(str, group.pids)))
+            else:
                 continue
             self._progress_at = None
-            log.error("%s: no step committed for %.0f s and no broken group reported: the workers are hung; "
-                      "killing them (pids %s)", self.cfg.node, time.monotonic() - since,
-                      ", ".join(map(str, group.pids)))
+            self._heard_at.clear()
             group.kill_hung()
 
     async def _keepalive(self) -> None:

@@ -71,6 +71,11 @@ class WorkerGroup:
     def pids(self) -> tuple[int, ...]:
         return tuple(p.pid for p in self._procs)
 
+    @property
+    def running(self) -> tuple[int, ...]:
+        """The pids of the workers that have not exited (as far as this process reaped them)."""
+        return tuple(p.pid for p in self._procs if p.returncode is None)
+
     async def start(self) -> None:
         for launch in self._launches:
             proc = await asyncio.create_subprocess_exec(

@@ -171,6 +171,36 @@ def test_hot_swap_schedule(schedule: Schedule, jobs, tmp_path, references):
         assert swap is not None and swap["bytes_from_leaver"] == joiner[0]["from_leaver"], swap
 
 
+@pytest.mark.timeout(240)
+def test_a_worker_stopped_while_it_waits_for_the_next_generation_is_swapped_out(jobs, tmp_path, references):
+    """Chaos seed 116: rank 1's worker is SIGKILLed; rank 2's reports its group broken and is then
+    SIGSTOPped. Its steps stopped for a reason (broken), so the step watchdog is not the one to
+    catch it; its silence is: its agent kills it after ``progress_timeout`` seconds without a word,
+    and the second standby takes its rank. Rank 0 waits in the swap all along, saying alive, and
+    is spared: the job ends with the weights of an uninterrupted run, in two swaps."""
+    job = jobs(["--nnodes", "3", "--standby", "2", "--rdzv-conf", FAST + ",collective_timeout=2,progress_timeout=6",
+                str(JOB), str(tmp_path / "final.pt"), "--steps", str(STEPS), *PACE])
+    ref = job_ref(job)
+    wait_status(ref, lambda d: d["hot_swap"] and sum(1 for n in d["nodes"] if n["state"] == "shadow") == 2, 90)
+    job.out.wait_for(r'"step": 30, "committed"', 90)
+    doc = wait_status(ref, lambda d: True, 10)
+    job.track()
+    by_rank = {n["ranks"][0]: n for n in doc["nodes"] if n["ranks"]}
+    os.kill(by_rank[1]["worker_pids"][0], signal.SIGKILL)
+    stopped = by_rank[2]["worker_pids"][0]
+    job.err.wait_for(rf"{by_rank[2]['node']} worker {stopped}: generation 1 broke at step", 60)
+    os.kill(stopped, signal.SIGSTOP)
+    job.err.wait_for(rf"{by_rank[2]['node']}: worker pid {stopped} said nothing for \d+ s \(stopped or frozen\)", 60)
+    final = wait_status(ref, lambda d: d["generation"] >= 3 or d["state"] != "running", 120)
+    assert final["state"] == "running" and final["restarts"] == 0 and final["hot_swaps"] == 2, final
+    assert job.wait(150) == 0, job.err.text()[-4000:]
+    assert_same_weights(tmp_path / "final.pt", references[3])
+    events = [e for e in _events(job.out.text()) if e.get("role") == "active" and "step" in e]
+    assert {e["pid"] for e in events if e["rank"] == 0} == {by_rank[0]["worker_pids"][0]}  # rank 0 never restarted
+    for rank in range(3):
+        assert sorted(e["step"] for e in events if e["rank"] == rank and e["committed"]) == list(range(STEPS)), rank
+
+
 @pytest.mark.timeout(300)
 def test_drains_during_a_swap_of_a_standby_and_rejoin(jobs, tmp_path, tmp_path_factory):
     """A drain --rejoin, a drain that arrives while that swap is in progress, a drain of the node

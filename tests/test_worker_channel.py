@@ -157,3 +157,23 @@ def test_worker_keeps_its_agent_when_the_agent_sends_junk(tmp_path, caplog: pyte
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 3 and all(f"worker pid {os.getpid()}" in w for w in warned), warned
     assert "over the limit of 65536" in warned[0] and "prepare: field" in warned[1] and "not JSON" in warned[2]
+
+
+def test_worker_says_alive_while_its_step_loop_waits_and_stops_when_closed(tmp_path) -> None:
+    """The agent's hang watchdog tells a waiting worker from a stopped one by these messages."""
+    path = str(tmp_path / "agent.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+    channel = AgentChannel(path, alive_every=0.05)
+    conn, _ = server.accept()
+    stream = conn.makefile("rb")
+    assert channel.wait(timeout=0.5) is None  # the step loop waits for a plan that does not come
+    got = [decode(stream.readline()) for _ in range(3)]
+    assert got == [{"v": 1, "type": "alive"}] * 3
+    channel.close()
+    conn.settimeout(5)
+    rest = stream.read()  # up to the worker's end of the connection: at most the beats not yet read
+    conn.close()
+    server.close()
+    assert set(rest.splitlines()) <= {encode("alive").strip()}, rest

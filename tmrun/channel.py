@@ -4,6 +4,10 @@ A background thread reads lines from the agent and queues them; the step loop po
 iteration boundaries (never blocking training) or waits on it when it has nothing else to do (a
 standby waiting to be promoted, survivors waiting for the next generation).
 
+A second thread says ``alive`` every :data:`tmrun.protocol.ALIVE_EVERY` seconds for as long as the
+process runs, so that the agent can tell a worker that waits (in a collective, for a plan) from
+one that is stopped or frozen: only the second goes silent.
+
 A line from the agent that is not a valid message, or is longer than
 :data:`tmrun.protocol.MAX_LINE`, is skipped with one warning (logger ``tmrun.worker``, which
 reaches stderr when the script configures no logging); the connection stays open.
@@ -18,20 +22,28 @@ import socket
 import threading
 from typing import Any, BinaryIO
 
-from tmrun.protocol import MAX_LINE, ProtocolError, decode, encode
+from tmrun.protocol import ALIVE_EVERY, MAX_LINE, ProtocolError, decode, encode
 
 log = logging.getLogger("tmrun.worker")
 
 
 class AgentChannel:
-    def __init__(self, path: str, *, limit: int = MAX_LINE) -> None:
+    def __init__(self, path: str, *, limit: int = MAX_LINE, alive_every: float = ALIVE_EVERY) -> None:
         self.limit = limit  # the longest line read, in bytes
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.connect(path)
         self._lock = threading.Lock()
+        self._closed = threading.Event()
         self._inbox: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._reader = threading.Thread(target=self._read, name="tmrun-agent-channel", daemon=True)
         self._reader.start()
+        self._alive_every = alive_every
+        self._heartbeat = threading.Thread(target=self._beat, name="tmrun-alive", daemon=True)
+        self._heartbeat.start()
+
+    def _beat(self) -> None:
+        while not self._closed.wait(self._alive_every):
+            self.send("alive")
 
     def _read(self) -> None:
         stream = self._sock.makefile("rb")
@@ -86,6 +98,13 @@ class AgentChannel:
             return None
 
     def close(self) -> None:
+        """Stop saying ``alive`` and end the connection (the agent reads its end)."""
+        self._closed.set()
+        self._heartbeat.join(timeout=1.0)
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # the reader's file keeps the socket open otherwise
+        except OSError:
+            pass
         try:
             self._sock.close()
         except OSError:

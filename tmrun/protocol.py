@@ -8,6 +8,9 @@ never import ``agent``).
 Worker → agent:
 
 - ``hello``     {rank, pid}: this worker runs the tmrun runtime (it can be hot-swapped).
+- ``alive``     {}: sent every :data:`ALIVE_EVERY` seconds by a thread of the worker, whatever its
+  step loop does (trains, waits in a collective, waits for a plan): the agent's hang watchdog
+  tells a stopped or frozen process from one that waits (see ``agent.node``).
 - ``progress``  {step, step_time, gen}: throttled to one a second, except the first committed step
   after a switch; shown by ``tmrun status``, and the agent's hang watchdog feeds on it.
 - ``ready``     {gen}: this worker has built the communicator of generation ``gen``.
@@ -50,7 +53,8 @@ from typing import Any, Callable
 
 SCHEMA = 1
 MAX_LINE = 16 * 1024 * 1024  # bytes; a longer line is discarded
-WORKER_TYPES = frozenset({"hello", "progress", "ready", "switched", "broken"})
+ALIVE_EVERY = 1.0  # seconds between a worker's ``alive`` messages
+WORKER_TYPES = frozenset({"hello", "alive", "progress", "ready", "switched", "broken"})
 AGENT_TYPES = frozenset({"prepare", "leave"})
 
 
@@ -94,6 +98,7 @@ Check = Callable[[Any], bool]
 # type -> (required fields, optional fields), each field with its check
 FIELDS: dict[str, tuple[dict[str, Check], dict[str, Check]]] = {
     "hello": ({"rank": _int, "pid": _positive}, {"role": _str}),
+    "alive": ({}, {}),
     "progress": ({"step": _int, "step_time": _number, "gen": _int}, {}),
     "ready": ({"gen": _int}, {}),
     "switched": ({"gen": _int, "step": _int},
