@@ -65,7 +65,11 @@ def run(plan: chaos.Schedule, slurm: SlurmCluster, reference: Path) -> chaos.Out
         replaced = chaos.inject(fault, doc, lambda node: _kill_member(slurm, node),
                                 lambda name, rejoin: drains.append(chaos.start_drain([*drain, name], rejoin, workdir)))
         struck = [chaos.struck_pids(fault, doc)]
-        state, end_s = _follow(slurm, job_id, 300)
+        try:
+            state, end_s = _follow(slurm, job_id, 150)
+        except TimeoutError as exc:  # what every node still runs, and what the job said: for the replay
+            running = "\n".join(map(str, slurm.leftovers()))
+            raise AssertionError(f"{where}: {exc}; still running:\n{running}\n{slurm.output(job_id)[-8000:]}") from None
     finally:
         chaos.reap_drains(drains)
     output = slurm.output(job_id)
