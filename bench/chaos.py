@@ -54,8 +54,7 @@ def reference(directory: Path) -> Path:
 
 
 def run_seed(seed: int, root: Path, ref: Path) -> dict:
-    workdir = root / f"seed-{seed}"
-    workdir.mkdir()
+    workdir = Path(tempfile.mkdtemp(prefix=f"seed-{seed}-", dir=root))  # a seed may be replayed in one run
     schedule = chaos.generate(seed)
     started: list[Job] = []
 

@@ -1,8 +1,8 @@
 """A fixed handful of chaos schedules (tests/chaos.py) on the local cluster, run in every CI.
 
 Each seed is one schedule: the leader's agent killed, a worker killed and a drain in the same step,
-two drains in the last step, an agent killed in the last step (tests/test_e2e_hot_swap.py has a
-worker killed mid-step and a hang). The benchmark (``python -m bench.chaos``) runs every kind
+two drains in the last step, an agent killed in the last step, a worker stopped while it waits for
+the next generation (tests/test_e2e_hot_swap.py has a worker killed mid-step and a hang). The benchmark (``python -m bench.chaos``) runs every kind
 (the job's etcd killed among them) over many seeds; every seed that ever failed is added here once
 fixed.
 """
@@ -21,6 +21,7 @@ SEEDS = {
     7: "a worker killed and a drain in the same step",
     13: "two drains with --rejoin in the job's last step (the drains may meet the job's end)",
     18: "an agent SIGKILLed in the job's last step (its loss may be seen before the others finish)",
+    116: "a worker killed, and another SIGSTOPped just after it reported its group broken",
 }
 
 
