@@ -645,14 +645,15 @@ def make_store(cfg: AgentConfig) -> Store:
 
 
 def own_first(endpoints: list[tuple[str, int]], node: str, host: str) -> list[tuple[str, int]]:
-    """The endpoints in the order this agent tries them: the one on its own host first, then the
-    others in turn from one picked by its node name. A job's agents spread over the members
-    instead of all asking the first (at 1,000 nodes, one member's load), and a member that leaves
-    (its node drained) or stops stalls only the agents that were asking it, for one failover."""
-    mine = [e for e in endpoints if e[0] in (node, host)]
-    rest = [e for e in endpoints if e not in mine]
-    first = zlib.crc32(node.encode()) % len(rest) if rest else 0
-    return mine + rest[first:] + rest[:first]
+    """The endpoints in the order this agent tries them: the member on its own host first, else
+    one picked by its name, then the rest in turn. A job's agents spread over the members instead
+    of all asking the first (at 1,000 nodes, one member's load), and a member that leaves (its
+    node drained) or stops stalls only the agents that were asking it, for one failover."""
+    if len(endpoints) < 2:
+        return endpoints
+    mine = [i for i, (h, _) in enumerate(endpoints) if h in (node, host)]
+    first = mine[0] if mine else zlib.crc32(node.encode()) % len(endpoints)
+    return endpoints[first:] + endpoints[:first]
 
 
 async def run_agent(cfg: AgentConfig, hosting: MemberHost | None = None) -> int:
