@@ -47,7 +47,6 @@ import shutil
 import signal
 import tempfile
 import time
-import zlib
 from pathlib import Path
 
 from agent.changes import Changes
@@ -640,20 +639,7 @@ def make_store(cfg: AgentConfig) -> Store:
     if cfg.tls_cacert or cfg.tls_cert or cfg.tls_key:
         tls = TlsOptions(cfg.tls_cacert, cfg.tls_cert, cfg.tls_key)
     login = Login(cfg.etcd_user, cfg.etcd_password_file) if cfg.etcd_user and cfg.etcd_password_file else None
-    endpoints = own_first(parse_endpoint(cfg.endpoint), cfg.node, cfg.host)
-    return EtcdStore(endpoints, tls=tls, login=login, retry_deadline=cfg.timeouts.store_retry)
-
-
-def own_first(endpoints: list[tuple[str, int]], node: str, host: str) -> list[tuple[str, int]]:
-    """The endpoints in the order this agent tries them: the member on its own host first, else
-    one picked by its name, then the rest in turn. A job's agents spread over the members instead
-    of all asking the first (at 1,000 nodes, one member's load), and a member that leaves (its
-    node drained) or stops stalls only the agents that were asking it, for one failover."""
-    if len(endpoints) < 2:
-        return endpoints
-    mine = [i for i, (h, _) in enumerate(endpoints) if h in (node, host)]
-    first = mine[0] if mine else zlib.crc32(node.encode()) % len(endpoints)
-    return endpoints[first:] + endpoints[:first]
+    return EtcdStore(parse_endpoint(cfg.endpoint), tls=tls, login=login, retry_deadline=cfg.timeouts.store_retry)
 
 
 async def run_agent(cfg: AgentConfig, hosting: MemberHost | None = None) -> int:

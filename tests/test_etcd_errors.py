@@ -73,20 +73,6 @@ def test_parse_endpoint_rejects(text: str, message: str) -> None:
     assert "\n" not in str(caught.value)
 
 
-def test_agents_ask_their_own_member_first_and_the_others_spread_over_the_members() -> None:
-    from agent.node import own_first
-
-    endpoints = parse_endpoint("node1:2379,node2:2379,node3:2379")
-    assert own_first(endpoints, "node2", "10.0.0.2") == parse_endpoint("node2:2379,node3:2379,node1:2379")
-    assert own_first(parse_endpoint("10.0.0.1:2379,10.0.0.3:2379"), "node3", "10.0.0.3")[0] == ("10.0.0.3", 2379)
-    firsts = {own_first(endpoints, f"gpu-{i}", f"10.1.0.{i}")[0] for i in range(64)}
-    assert firsts == set(endpoints)  # 64 agents without a member of their own: every member asked first by some
-    for i in range(64):
-        order = own_first(endpoints, f"gpu-{i}", "")
-        assert sorted(order) == sorted(endpoints) and order == own_first(endpoints, f"gpu-{i}", "")  # stable
-    assert own_first(endpoints[:1], "node9", "") == endpoints[:1]
-
-
 def test_format_endpoint_round_trips() -> None:
     for host, port in [("127.0.0.1", 1), ("::1", 2379), ("etcd-0", 65535)]:
         assert parse_endpoint(format_endpoint(host, port)) == [(host, port)]
