@@ -48,6 +48,9 @@ READY_TIMEOUT = 60.0
 STOPPED = (0, -signal.SIGTERM, -signal.SIGINT, -signal.SIGHUP)
 CLOSE_GRACE = 1.0  # seconds from SIGTERM to SIGKILL when the member's node is done with the job
 NO_QUORUM_WAIT = 3.0  # seconds of failed reads after which a job that ended stops waiting on the others
+# Seconds a job that ended waits for a host of the allocation whose key is gone (an agent away in an
+# outage, or killed: etcd cannot tell which) to say it saw the outcome; registered nodes get release's limit.
+KEYLESS_WAIT = 10.0
 KEEPER_TICK = 2.0  # seconds between looks at the member list when no key changes
 
 
@@ -255,8 +258,9 @@ class MemberHost:
         """Keep the member up while it is still needed, at most ``limit`` seconds.
 
         The job ended: until every other agent of the job said it saw the outcome (``done/<node>``);
-        a node whose key vanished with an expired lease may still be waiting for it. But not
-        while the cluster has no quorum for ``NO_QUORUM_WAIT`` seconds: the other members stopped
+        a node whose key vanished with an expired lease may still be waiting for it, but it may as
+        well be dead (a killed agent): such hosts are waited for ``KEYLESS_WAIT`` seconds only. And
+        not while the cluster has no quorum for ``NO_QUORUM_WAIT`` seconds: the other members stopped
         (the last member up cannot serve anyone alone), and waiting would only hold the job's
         end. This node left a running job: until the keeper removed its member (the cluster
         stays whole).
@@ -269,9 +273,11 @@ class MemberHost:
         if job_ended:
             waiting: set[str] | None = None
             failing_since: float | None = None
+            started = time.monotonic()
+            given_up: set[str] = set()  # keyless hosts no longer waited for
 
             async def others() -> bool:
-                nonlocal waiting, failing_since
+                nonlocal waiting, failing_since, given_up
                 asked = time.monotonic()
                 try:
                     entries, _ = await store.get_prefix(keys.root)
@@ -280,6 +286,10 @@ class MemberHost:
                     return waiting != set() and time.monotonic() - failing_since < NO_QUORUM_WAIT
                 failing_since = None
                 left = awaiting_ack(entries, keys, self.layout.hosts, self.node)
+                if asked - started >= KEYLESS_WAIT:
+                    registered = awaiting_ack(entries, keys, (), self.node)
+                    given_up |= left - registered
+                    left = registered
                 if left and left != waiting:
                     log.info("%s: the etcd member stays until %s saw the job's end", self.node, ", ".join(sorted(left)))
                 waiting = left
@@ -291,6 +301,10 @@ class MemberHost:
             elif waiting:
                 self._report(f"{self.node}: stopping the etcd member after {limit:g} s; "
                              f"{', '.join(sorted(waiting))} did not say they saw the job's end")
+            elif given_up:
+                self._report(f"{self.node}: stopping the etcd member; {', '.join(sorted(given_up))} did not say they "
+                             f"saw the job's end within {KEYLESS_WAIT:g} s and their keys are gone (an agent "
+                             "killed, or cut off from etcd)")
         else:
             name = self.layout.name(self.node)
 

@@ -176,3 +176,48 @@ def test_the_last_member_up_stops_waiting_once_etcd_has_had_no_quorum_for_a_whil
     assert NO_QUORUM_WAIT <= took < NO_QUORUM_WAIT + 2, took
     assert store.reads >= 2
     assert len(said) == 1 and "etcd has had no quorum" in said[0] and said[0].startswith("node3: stopping")
+
+
+@pytest.mark.timeout(60)
+def test_a_host_whose_key_is_gone_is_waited_for_a_while_a_registered_node_for_the_whole_limit(tmp_path, monkeypatch):
+    """Chaos seed 14 on separate hosts: the standby's agent (the leader) was SIGKILLed, its key
+    expired, and every member waited release's whole 30 s for it to say it saw the job's end."""
+    import asyncio
+    import time
+
+    from agent import etcd_member
+    from agent.keys import JobKeys
+    from agent.records import Plan
+
+    monkeypatch.setattr(etcd_member, "KEYLESS_WAIT", 1.0)
+    keys = JobKeys("812345")
+    plan = Plan(gen=1, members=("node1", "node2", "node3"), slots={"node1": 1, "node2": 1, "node3": 1},
+                store_host="node1", store_port=1, leader="node3").to_dict()
+
+    class Running:
+        def running(self) -> bool:
+            return True
+
+    class Store:
+        def __init__(self, entries):
+            self.entries = entries
+
+        async def get_prefix(self, prefix):
+            return self.entries, 1
+
+    def release(entries, limit: float) -> tuple[float, list[str]]:
+        said: list[str] = []
+        host = etcd_member.MemberHost(layout_for(alloc(4)), "node3", "10.0.0.3", tmp_path, report=said.append)
+        host.server = Running()
+        started = time.monotonic()
+        asyncio.run(host.release(Store(entries), keys, job_ended=True, limit=limit))
+        return time.monotonic() - started, said
+
+    acked = {"done/node1": {}, "done/node2": {}}
+    took, said = release(_entries(keys, plan=plan, **acked), limit=20.0)  # node4: no key, no word
+    assert 1.0 <= took < 3.0, took
+    assert said == ["node3: stopping the etcd member; node4 did not say they saw the job's end within 1 s and their "
+                    "keys are gone (an agent killed, or cut off from etcd)"], said
+    took, said = release(_entries(keys, plan=plan, **acked, **{"nodes/node4": {}}), limit=4.0)  # node4 registered
+    assert 3.0 <= took < 6.0, took  # tenacity stops before a wait would pass the limit
+    assert said == ["node3: stopping the etcd member after 4 s; node4 did not say they saw the job's end"], said
