@@ -580,7 +580,8 @@ class NodeAgent:
         ``progress`` seconds (while training), or one of them said nothing at all, not even its
         ``alive``, for that long (at any time, waiting for a plan included: a stopped or frozen
         process; a worker that waits in a collective or for its peers keeps saying ``alive``).
-        A worker that ended its run (``finish``: it hung up) is not watched, whatever it does next."""
+        A worker that ended its run (``finish``: it hung up) says nothing more: only the steps
+        watch it then, so an epilogue longer than ``progress`` (a final save) counts as a hang."""
         limit = self.cfg.timeouts.progress
         if not limit:
             return await asyncio.Event().wait()  # off: never ends
@@ -592,7 +593,7 @@ class NodeAgent:
             now, since = time.monotonic(), self._progress_at
             talking = [pid for pid in group.running if self._channel.connected(pid)]  # the rest ended their run
             silent = sorted(pid for pid in talking if now - self._heard_at.get(pid, now) >= limit)
-            if since is not None and now - since >= limit and talking:
+            if since is not None and now - since >= limit:
                 log.error("%s: no step committed for %.0f s and no broken group reported: the workers are hung; "
                           "killing them (pids %s)", self.cfg.node, now - since, ", ".join(map(str, group.pids)))
             elif silent:

@@ -10,7 +10,12 @@ from tests.test_e2e_hot_swap import _reference
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 
-SEEDS = [3, 9]  # a drain racing the last step (issue 9 saw 140 s there); an agent SIGKILLed mid-run
+SEEDS = {
+    3: "a drain racing the last step (issue 9 saw 140 s there)",
+    9: "an agent SIGKILLed mid-run",
+    14: "the leader's agent, a standby's, SIGKILLed: its key goes, the members waited 30 s for its word",
+    21: "a worker SIGSTOPped in its epilogue: the job must end failed, not wait for it",
+}
 
 
 @pytest.fixture(scope="module")
@@ -19,6 +24,6 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("seed", list(SEEDS), ids=[f"{s}-{why.split(':')[0]}" for s, why in SEEDS.items()])
 def test_chaos_schedule_on_separate_hosts(seed, slurm, reference):
     chaos_hosts.run(chaos_hosts.schedule(seed), slurm, reference)
