@@ -142,6 +142,10 @@ def launch(
                                    "collective_timeout, progress_timeout.")] = "",
     local_addr: Annotated[Optional[str], _opt("--local-addr", "--local_addr", env="PET_LOCAL_ADDR", panel=RDZV,
                                               help="Address other nodes use to reach this one.")] = None,
+    metrics_port: Annotated[Optional[int], _opt("--metrics-port", env="TMRUN_METRICS_PORT", panel=LOGS,
+                                                help="Serve Prometheus metrics at http://<node>:PORT/metrics "
+                                                "(0: a free port; a local cluster's node i: PORT+i). Off when "
+                                                "not given.", parser=_integer(0, 65535))] = None,
     etcd_cacert: Annotated[Optional[str], _opt("--etcd-cacert", env="TMRUN_ETCD_CACERT", panel=RDZV)] = None,
     etcd_cert: Annotated[Optional[str], _opt("--etcd-cert", env="TMRUN_ETCD_CERT", panel=RDZV)] = None,
     etcd_key: Annotated[Optional[str], _opt("--etcd-key", env="TMRUN_ETCD_KEY", panel=RDZV)] = None,
@@ -207,7 +211,7 @@ def launch(
     slurm = None if standalone else detect_slurm(os.environ)
     common = dict(min_nodes=min_nodes, max_nodes=max_nodes, timeouts=timeouts, worker=worker,
                   monitor_interval=monitor_interval, tls_cacert=etcd_cacert, tls_cert=etcd_cert, tls_key=etcd_key,
-                  **_etcd_login(etcd_user, etcd_password_file))
+                  metrics_port=metrics_port, **_etcd_login(etcd_user, etcd_password_file))
     if standalone and rdzv_endpoint:
         console.warning("--standalone: ignoring --rdzv-endpoint, starting a local cluster")
     if standalone or (not rdzv_endpoint and slurm is None):
@@ -253,9 +257,28 @@ def _launch_local(rdzv_id: str, standby: int, common: dict) -> int:
     if total > MAX_LOCAL_NODES:
         raise ConfigError(f"a local cluster of {total} nodes (--nnodes plus --standby) would run {total} agents on "
                           f"this machine; at most {MAX_LOCAL_NODES}")
+    port = common.pop("metrics_port")
+    if port and port + total - 1 > 65535:
+        raise ConfigError(f"--metrics-port {port}: a local cluster of {total} nodes needs ports {port} to "
+                          f"{port + total - 1}; pick a lower one")
     configs = [AgentConfig(job_id=job, node=f"node-{i}", host="127.0.0.1", endpoint="",
-                           standby_hint=i >= common["max_nodes"], **common) for i in range(total)]
+                           standby_hint=i >= common["max_nodes"], metrics_port=None if port is None else port and port + i,
+                           **common) for i in range(total)]
+    for cfg in configs:  # an agent that cannot open its port would leave the others waiting for it
+        _check_port_free(cfg.host, cfg.metrics_port)
     return run_local_cluster(configs, runtime_dir(os.environ), console.info, _log_root(common["worker"]), creds)
+
+
+def _check_port_free(host: str, port: int | None) -> None:
+    """ConfigError (one line, exit 2) when ``host:port`` cannot be listened on now."""
+    if not port:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise ConfigError(f"cannot serve metrics on {host}:{port} (--metrics-port): {exc.strerror or exc}") from None
 
 
 def _etcd_login(user: str | None, password_file: str | None) -> dict[str, str | None]:
