@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -27,7 +28,7 @@ import typer
 
 from agent.config import (KNOWN_RDZV_CONF, MAX_NODES, MAX_NPROC, MAX_RESTARTS, AgentConfig, WorkerSpec, parse_int,
                           parse_nnodes, parse_rdzv_conf, parse_seconds, timeouts_from_conf)
-from agent.errors import ConfigError, JobNotFound, TmrunError
+from agent.errors import ConfigError, JobNotFound, StoreError, TmrunError
 from agent.output import parse_std_spec
 from agent.slurm import detect_slurm
 from tmrun import console
@@ -47,7 +48,7 @@ EXIT_CODES = {
     130: "interrupted (SIGINT)",
     143: "terminated (SIGTERM)",
 }
-SUBCOMMANDS = ("status", "drain", "events")
+SUBCOMMANDS = ("status", "drain", "events", "top")
 MAX_LOCAL_NODES = 256  # a local cluster runs one agent process per node on this machine
 
 LAUNCH = "Launch"
@@ -108,7 +109,7 @@ def _seconds(text) -> float:
 
 
 @launch_app.command(help="Launch SCRIPT on every node, with standby nodes ready to take over. "
-                    "Subcommands: tmrun status | drain NODE | events (see tmrun status --help).")
+                    "Subcommands: tmrun status | drain NODE | events | top (see tmrun status --help).")
 def launch(
     ctx: typer.Context,
     script: Annotated[str, typer.Argument(help="Training script, module (-m) or executable (--no-python).")],
@@ -484,6 +485,63 @@ def drain_cmd(node: Annotated[str, typer.Argument(help="Node name, as in tmrun s
     _admin(ref, store_timeout, lambda store: admin.drain(store, ref.job, node, wait=not no_wait, timeout=timeout,
                                                          progress=console.info, rejoin=rejoin))
     return 0
+
+
+@admin_app.command("top", help="The job live: nodes, roles, step rates, links and recent events, refreshed "
+                   "in place until the job ends (Ctrl-C leaves).")
+def top_cmd(job: JobOpt = None, endpoint: EndpointOpt = None,
+            as_json: Annotated[bool, typer.Option("--json", help="One JSON frame per line, for scripts.")] = False,
+            interval: Annotated[float, typer.Option("--interval", help="Seconds between refreshes.",
+                                                    parser=_seconds)] = 1.0,
+            count: Annotated[Optional[int], typer.Option("--count", help="Stop after this many frames.",
+                                                         parser=_integer(1, 10**9))] = None,
+            store_timeout: TimeoutOpt = 10.0) -> int:
+    from rich.live import Live
+
+    from tmrun import top
+
+    if interval < 0.1:
+        raise ConfigError(f"--interval {interval:g}: at least 0.1 seconds")
+    ref = _job_ref(job, endpoint)
+    shown: list[str] = []  # each frame's job state
+
+    def follow(show) -> None:
+        def emit(frame: dict) -> None:
+            shown.append(frame["state"])
+            show(frame)
+        try:
+            _admin(ref, store_timeout, lambda store: top.follow(store, ref.job, interval, count, emit))
+        except StoreError:
+            if not (shown and endpoint is None and not _still_running(job, ref)):
+                raise
+            # a local job's etcd stops with the job, maybe between two frames
+            console.info(f"job {ref.job} has ended and its etcd with it; tmrun events --job {ref.job} shows "
+                         "its history")
+
+    if as_json:
+        def line(frame: dict) -> None:
+            sys.stdout.write(json.dumps(frame, sort_keys=True) + "\n")
+            sys.stdout.flush()
+
+        follow(line)
+        return 0
+    try:
+        with Live(console=console.screen(), auto_refresh=False, redirect_stderr=False) as live:
+            follow(lambda frame: live.update(top.render(frame), refresh=True))
+    except KeyboardInterrupt:  # the way out of a live view: not an error
+        pass
+    return 0
+
+
+def _still_running(job: str | None, ref: JobRef) -> bool:
+    """Whether the local job ``ref`` still has its runtime file (a SLURM job: assumed running)."""
+    if job is None and detect_slurm(os.environ) is not None:
+        return True
+    try:
+        find_job(runtime_dir(os.environ), ref.job)
+    except JobNotFound:
+        return False
+    return True
 
 
 @admin_app.command("events", help="Show the job's history: generations, failures, drains. "
