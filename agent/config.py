@@ -148,6 +148,7 @@ class AgentConfig:
     etcd_password_file: str | None = None
     # Under SLURM, the node that hosts the embedded etcd keeps it up until the others have left.
     hosts_store: bool = False
+    metrics_port: int | None = None  # --metrics-port: None off, 0 a free port (agent/metrics.py)
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_nodes <= self.max_nodes:
@@ -156,6 +157,8 @@ class AgentConfig:
             raise ConfigError(f"--nnodes {self.max_nodes}: at most {MAX_NODES}")
         if not (isinstance(self.monitor_interval, (int, float)) and 0 <= self.monitor_interval <= MAX_SECONDS):
             raise ConfigError(f"--monitor-interval {self.monitor_interval!r}: expected 0 to {MAX_SECONDS:g} seconds")
+        if self.metrics_port is not None and not (isinstance(self.metrics_port, int) and 0 <= self.metrics_port <= 65535):
+            raise ConfigError(f"--metrics-port {self.metrics_port!r}: expected a port from 0 to 65535")
         if not self.node or "/" in self.node:
             raise ConfigError(f"bad node name {self.node!r}: must be non-empty and contain no '/'")
 

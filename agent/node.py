@@ -55,6 +55,7 @@ from agent.etcd_member import MemberHost
 from agent.errors import ConfigError, ControlPlaneLost, LeaseNotFound, StoreError
 from agent.keys import JobKeys
 from agent.leader import Leader
+from agent.metrics import MetricsServer, Snapshot
 from agent.output import OutputRouter
 from agent.records import NodeRecord, Outcome, Plan, RunState, parse
 from agent.roles import Role, Roles
@@ -104,6 +105,10 @@ class NodeAgent:
         self._channel = WorkerChannel(os.path.join(self._socket_dir, "agent.sock"), self._on_worker_message)
         self._hello: set[int] = set()
         self._heard_at: dict[int, float] = {}  # runtime worker pid -> when it last said anything (monotonic)
+        self._switched_gens: set[int] = set()  # generations this node's workers switched into (metrics)
+        self._bytes_received = 0  # state received by this node's joiners, over all switches (metrics)
+        self._bytes_sent = 0  # state handed over by this node's leavers (metrics)
+        self._metrics: MetricsServer | None = None
         self._role = Roles(lambda message: log.error("%s: role %s", cfg.node, message))
         self._shadow_failed = False
         self._leave_sent = 0
@@ -127,6 +132,7 @@ class NodeAgent:
         background: list[asyncio.Task] = []
         try:
             await self._clear_finished_job()
+            self._serve_metrics()
             self._lease = await self._store.grant_lease(self.cfg.timeouts.lease_ttl)
             if not await self._store.create(self._keys.node(self.cfg.node), self._record().to_dict(), lease=self._lease):
                 raise ConfigError(f"node name {self.cfg.node!r} is already in use in job {self.cfg.job_id}")
@@ -166,8 +172,31 @@ class NodeAgent:
                 except (StoreError, asyncio.TimeoutError):
                     pass
             await self._store.close()
+            if self._metrics is not None:
+                self._metrics.close()
             if self._own_log_root:
                 shutil.rmtree(self._log_root, ignore_errors=True)
+
+    def _serve_metrics(self) -> None:
+        """``--metrics-port``: Prometheus text on this node's address, named in its node record."""
+        port = self.cfg.metrics_port
+        if port is None:
+            return
+        try:
+            self._metrics = MetricsServer(self.cfg.host, port, self._snapshot)
+        except OSError as exc:
+            raise ConfigError(f"cannot serve metrics on {self.cfg.host}:{port} (--metrics-port): "
+                              f"{exc.strerror or exc}") from None
+        log.info("%s serves metrics at http://%s/metrics", self.cfg.node, self._metrics.address)
+
+    def _snapshot(self) -> Snapshot:
+        """What the metrics show now (called from the metrics server's thread: reads, never writes)."""
+        run, group, leader = self._run, self._group, self._leader
+        return Snapshot(job=self.cfg.job_id, node=self.cfg.node, role=self._role.now.value, generation=run.gen,
+                        step=run.step, step_time=run.step_time, workers=len(group.running) if group else 0,
+                        swaps=len(self._switched_gens), last_stall=float(run.last_swap.get("stall") or 0.0),
+                        bytes_received=self._bytes_received, bytes_sent=self._bytes_sent,
+                        watch_reconnects=self._changes.reconnects, leader=bool(leader and leader.is_leader))
 
     def _extra_tasks(self) -> list[asyncio.Task]:
         """Background tasks beside keepalive, leader and watchdog (the etcd member host, when any)."""
@@ -438,6 +467,7 @@ class NodeAgent:
             self._ready_at[int(message["gen"])] = time.time()
         elif kind == "switched" and message.get("left"):
             self._progress_at = None
+            self._bytes_sent += int(message.get("bytes_sent") or 0)
             if message.get("handover_error"):
                 log.warning("%s worker %d: no handover to the joiner in generation %s: %s", self.cfg.node, pid,
                             message.get("gen"), str(message["handover_error"])[:300])
@@ -455,6 +485,8 @@ class NodeAgent:
                             str(message["handover_error"])[:300])
             fields = {k: v for k, v in message.items() if k not in ("v", "type")}
             gen = int(fields.get("gen", 0))
+            self._switched_gens.add(gen)
+            self._bytes_received += int(fields.get("bytes_received") or 0)
             previous = self._run.last_swap if self._run.last_swap.get("gen") == gen else {}
             fields["stall"] = max(float(fields.get("stall", 0.0)), float(previous.get("stall", 0.0)))
             fields["switched_at"] = time.time()
@@ -573,7 +605,7 @@ class NodeAgent:
     def _record(self) -> NodeRecord:
         cfg = self.cfg
         return NodeRecord(cfg.node, cfg.host, os.getpid(), cfg.worker.nproc_per_node, cfg.standby_hint,
-                          self._joined_at, self._run.to_dict())
+                          self._joined_at, self._run.to_dict(), self._metrics.address if self._metrics else "")
 
     async def _watchdog(self) -> None:
         """Kill this node's runtime workers when they are hung: they committed no step for

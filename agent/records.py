@@ -182,6 +182,7 @@ class NodeRecord(Record):
     standby_hint: bool = False
     joined_at: float = 0.0
     run: dict[str, Any] = dataclasses.field(default_factory=dict)
+    metrics: str = ""  # host:port of the agent's Prometheus metrics (--metrics-port), or ""
 
     @property
     def run_state(self) -> RunState:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -27,7 +28,7 @@ import typer
 
 from agent.config import (KNOWN_RDZV_CONF, MAX_NODES, MAX_NPROC, MAX_RESTARTS, AgentConfig, WorkerSpec, parse_int,
                           parse_nnodes, parse_rdzv_conf, parse_seconds, timeouts_from_conf)
-from agent.errors import ConfigError, JobNotFound, TmrunError
+from agent.errors import ConfigError, JobNotFound, StoreError, TmrunError
 from agent.output import parse_std_spec
 from agent.slurm import detect_slurm
 from tmrun import console
@@ -47,7 +48,7 @@ EXIT_CODES = {
     130: "interrupted (SIGINT)",
     143: "terminated (SIGTERM)",
 }
-SUBCOMMANDS = ("status", "drain", "events")
+SUBCOMMANDS = ("status", "drain", "events", "top")
 MAX_LOCAL_NODES = 256  # a local cluster runs one agent process per node on this machine
 
 LAUNCH = "Launch"
@@ -108,7 +109,7 @@ def _seconds(text) -> float:
 
 
 @launch_app.command(help="Launch SCRIPT on every node, with standby nodes ready to take over. "
-                    "Subcommands: tmrun status | drain NODE | events (see tmrun status --help).")
+                    "Subcommands: tmrun status | drain NODE | events | top (see tmrun status --help).")
 def launch(
     ctx: typer.Context,
     script: Annotated[str, typer.Argument(help="Training script, module (-m) or executable (--no-python).")],
@@ -142,6 +143,10 @@ def launch(
                                    "collective_timeout, progress_timeout.")] = "",
     local_addr: Annotated[Optional[str], _opt("--local-addr", "--local_addr", env="PET_LOCAL_ADDR", panel=RDZV,
                                               help="Address other nodes use to reach this one.")] = None,
+    metrics_port: Annotated[Optional[int], _opt("--metrics-port", env="TMRUN_METRICS_PORT", panel=LOGS,
+                                                help="Serve Prometheus metrics at http://<node>:PORT/metrics "
+                                                "(0: a free port; a local cluster's node i: PORT+i). Off when "
+                                                "not given.", parser=_integer(0, 65535))] = None,
     etcd_cacert: Annotated[Optional[str], _opt("--etcd-cacert", env="TMRUN_ETCD_CACERT", panel=RDZV)] = None,
     etcd_cert: Annotated[Optional[str], _opt("--etcd-cert", env="TMRUN_ETCD_CERT", panel=RDZV)] = None,
     etcd_key: Annotated[Optional[str], _opt("--etcd-key", env="TMRUN_ETCD_KEY", panel=RDZV)] = None,
@@ -207,7 +212,7 @@ def launch(
     slurm = None if standalone else detect_slurm(os.environ)
     common = dict(min_nodes=min_nodes, max_nodes=max_nodes, timeouts=timeouts, worker=worker,
                   monitor_interval=monitor_interval, tls_cacert=etcd_cacert, tls_cert=etcd_cert, tls_key=etcd_key,
-                  **_etcd_login(etcd_user, etcd_password_file))
+                  metrics_port=metrics_port, **_etcd_login(etcd_user, etcd_password_file))
     if standalone and rdzv_endpoint:
         console.warning("--standalone: ignoring --rdzv-endpoint, starting a local cluster")
     if standalone or (not rdzv_endpoint and slurm is None):
@@ -253,9 +258,28 @@ def _launch_local(rdzv_id: str, standby: int, common: dict) -> int:
     if total > MAX_LOCAL_NODES:
         raise ConfigError(f"a local cluster of {total} nodes (--nnodes plus --standby) would run {total} agents on "
                           f"this machine; at most {MAX_LOCAL_NODES}")
+    port = common.pop("metrics_port")
+    if port and port + total - 1 > 65535:
+        raise ConfigError(f"--metrics-port {port}: a local cluster of {total} nodes needs ports {port} to "
+                          f"{port + total - 1}; pick a lower one")
     configs = [AgentConfig(job_id=job, node=f"node-{i}", host="127.0.0.1", endpoint="",
-                           standby_hint=i >= common["max_nodes"], **common) for i in range(total)]
+                           standby_hint=i >= common["max_nodes"], metrics_port=None if port is None else port and port + i,
+                           **common) for i in range(total)]
+    for cfg in configs:  # an agent that cannot open its port would leave the others waiting for it
+        _check_port_free(cfg.host, cfg.metrics_port)
     return run_local_cluster(configs, runtime_dir(os.environ), console.info, _log_root(common["worker"]), creds)
+
+
+def _check_port_free(host: str, port: int | None) -> None:
+    """ConfigError (one line, exit 2) when ``host:port`` cannot be listened on now."""
+    if not port:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise ConfigError(f"cannot serve metrics on {host}:{port} (--metrics-port): {exc.strerror or exc}") from None
 
 
 def _etcd_login(user: str | None, password_file: str | None) -> dict[str, str | None]:
@@ -461,6 +485,63 @@ def drain_cmd(node: Annotated[str, typer.Argument(help="Node name, as in tmrun s
     _admin(ref, store_timeout, lambda store: admin.drain(store, ref.job, node, wait=not no_wait, timeout=timeout,
                                                          progress=console.info, rejoin=rejoin))
     return 0
+
+
+@admin_app.command("top", help="The job live: nodes, roles, step rates, links and recent events, refreshed "
+                   "in place until the job ends (Ctrl-C leaves).")
+def top_cmd(job: JobOpt = None, endpoint: EndpointOpt = None,
+            as_json: Annotated[bool, typer.Option("--json", help="One JSON frame per line, for scripts.")] = False,
+            interval: Annotated[float, typer.Option("--interval", help="Seconds between refreshes.",
+                                                    parser=_seconds)] = 1.0,
+            count: Annotated[Optional[int], typer.Option("--count", help="Stop after this many frames.",
+                                                         parser=_integer(1, 10**9))] = None,
+            store_timeout: TimeoutOpt = 10.0) -> int:
+    from rich.live import Live
+
+    from tmrun import top
+
+    if interval < 0.1:
+        raise ConfigError(f"--interval {interval:g}: at least 0.1 seconds")
+    ref = _job_ref(job, endpoint)
+    shown: list[str] = []  # each frame's job state
+
+    def follow(show) -> None:
+        def emit(frame: dict) -> None:
+            shown.append(frame["state"])
+            show(frame)
+        try:
+            _admin(ref, store_timeout, lambda store: top.follow(store, ref.job, interval, count, emit))
+        except StoreError:
+            if not (shown and endpoint is None and not _still_running(job, ref)):
+                raise
+            # a local job's etcd stops with the job, maybe between two frames
+            console.info(f"job {ref.job} has ended and its etcd with it; tmrun events --job {ref.job} shows "
+                         "its history")
+
+    if as_json:
+        def line(frame: dict) -> None:
+            sys.stdout.write(json.dumps(frame, sort_keys=True) + "\n")
+            sys.stdout.flush()
+
+        follow(line)
+        return 0
+    try:
+        with Live(console=console.screen(), auto_refresh=False, redirect_stderr=False) as live:
+            follow(lambda frame: live.update(top.render(frame), refresh=True))
+    except KeyboardInterrupt:  # the way out of a live view: not an error
+        pass
+    return 0
+
+
+def _still_running(job: str | None, ref: JobRef) -> bool:
+    """Whether the local job ``ref`` still has its runtime file (a SLURM job: assumed running)."""
+    if job is None and detect_slurm(os.environ) is not None:
+        return True
+    try:
+        find_job(runtime_dir(os.environ), ref.job)
+    except JobNotFound:
+        return False
+    return True
 
 
 @admin_app.command("events", help="Show the job's history: generations, failures, drains. "

@@ -19,6 +19,11 @@ _err = Console(stderr=True, highlight=False, soft_wrap=True)
 _out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
 
 
+def screen() -> Console:
+    """The console a live view (``tmrun top``) draws on: standard output."""
+    return _out
+
+
 def error(message: str) -> None:
     print(f"tmrun: error: {message}", file=sys.stderr, flush=True)
 

@@ -1,0 +1,96 @@
+"""``tmrun top``: the live view in a real terminal (tmux), its ``--json`` frames, and its errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.harness import FAST, job_ref, run_tmrun, wait_status
+from tests.slurm_cluster import wait_for
+from tests.test_e2e_hot_swap import JOB
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(150)
+def test_json_frames_show_nodes_step_rates_and_events(jobs, tmp_path: Path) -> None:
+    job = jobs(["--nnodes", "2", "--standby", "1", "--metrics-port", "0", "--rdzv-conf", FAST, str(JOB),
+                str(tmp_path / "final.pt"), "--steps", "400", "--step-time", "0.05"])
+    ref = job_ref(job)
+    wait_status(ref, lambda d: d["hot_swap"] and all(n["step"] for n in d["nodes"] if n["role"] == "active"), 90)
+    done = run_tmrun(["top", "--json", "--count", "3", "--interval", "0.5", "--job", ref.job], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    frames = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(frames) == 3 and all(f["v"] == 1 and f["job"] == ref.job and f["state"] == "running" for f in frames)
+    first, last = frames[0], frames[-1]
+    assert all(0 < f["steps_per_s"] <= 1 / 0.05 for f in frames), frames  # at most the script's pace
+    roles = {n["node"]: n["role"] for n in last["nodes"]}
+    assert roles == {"node-0": "active", "node-1": "active", "node-2": "standby"}, roles
+    assert all(n["steps_per_s"] > 0 and n["metrics"].startswith("http://") for n in last["nodes"] if n["role"] == "active")
+    assert last["links"] == {"measured": False, "matrix": {}}
+    assert [e["kind"] for e in last["events"]][:2] == ["start", "hot"], last["events"]
+    assert last["nodes"][0]["step"] > first["nodes"][0]["step"]
+    assert job.wait(90) == 0, job.err.text()[-3000:]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(shutil.which("tmux") is None and not os.environ.get("CI"),
+                    reason="needs tmux (.ci/run installs it; in CI its absence fails the test)")
+def test_the_live_view_in_a_terminal_follows_the_job_to_its_end(jobs, tmp_path: Path) -> None:
+    job = jobs(["--nnodes", "2", "--standby", "1", "--rdzv-conf", FAST, str(JOB), str(tmp_path / "final.pt"),
+                "--steps", "300", "--step-time", "0.05"])
+    ref = job_ref(job)
+    wait_status(ref, lambda d: d["hot_swap"], 90)
+    session = f"tmrun-top-{os.getpid()}"
+    command = " ".join(map(shlex.quote, [sys.executable, "-m", "tmrun.cli", "top", "--job", ref.job]))
+    passed = [f"{k}={os.environ[k]}" for k in ("PATH", "PYTHONPATH", "HOME", "TMRUN_RUNTIME_DIR", "XDG_RUNTIME_DIR")
+              if k in os.environ]  # a tmux server already running would not pass this process's environment on
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "150", "-y", "45",
+                    *[arg for kv in passed for arg in ("-e", kv)],
+                    f"cd {shlex.quote(str(tmp_path))} && {command}; echo EXIT=$?; sleep 60"], check=True,
+                   env={**os.environ, "TERM": "xterm-256color"}, timeout=10)
+    try:
+        def screen() -> str:
+            return subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True,
+                                  timeout=10).stdout
+
+        def steps(text: str) -> list[int]:
+            return [int(line.split("│")[5]) for line in text.splitlines()
+                    if line.startswith("│ node-") and line.split("│")[5].strip().isdigit()]
+
+        live = wait_for(lambda: (lambda s: s if "steps/s ·" in s and len(steps(s)) == 3 else None)(screen()), 60,
+                        "the live view with a rate")
+        assert f"{ref.job} · running" in live and "┃ node " in live and "recent events" in live, live
+        before = max(steps(live))
+        wait_for(lambda: max(steps(screen()) or [0]) > before, 30, "the view to move on")  # in place, refreshed
+        assert screen().count("┃ node ") == 1  # one table: redrawn, not printed again
+        end = wait_for(lambda: (lambda s: s if "EXIT=" in s else None)(screen()), 90, "top to end with the job")
+        assert "EXIT=0" in end and "succeeded" in end, end
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True, timeout=10)
+    assert job.wait(60) == 0
+
+
+def test_top_of_no_job_is_one_line_and_exit_5(tmp_path: Path) -> None:
+    done = run_tmrun(["top", "--job", "nope"], cwd=tmp_path, env={"TMRUN_RUNTIME_DIR": str(tmp_path / "rt")})
+    assert done.returncode == 5 and done.stderr.startswith("tmrun: error: no running job named 'nope'"), done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--interval", "0"], "--interval 0: at least 0.1 seconds"),
+    (["--interval", "nan"], "--interval"),
+    (["--count", "0"], "0: expected 1 to"),
+])
+def test_bad_top_flags_are_one_line_and_exit_2(tmp_path: Path, args: list[str], says: str) -> None:
+    done = run_tmrun(["top", *args, "--job", "x"], cwd=tmp_path, env={"TMRUN_RUNTIME_DIR": str(tmp_path / "rt")})
+    assert done.returncode == 2 and says in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
