@@ -88,6 +88,10 @@ class StandInChannel:
     def forget(self, pids) -> None:
         pass
 
+    def connected(self, pid: int) -> bool:
+        """Whether the stand-in worker ``pid`` still holds its connection (until its group ends)."""
+        return self.group is not None and pid in self.group.running
+
     def send(self, pid: int, kind: str, **fields: Any) -> None:
         if self.group is not None and pid in self.group.pids:
             self.group.on_message(pid, kind, fields)
@@ -107,6 +111,10 @@ class StandInGroup:
     @property
     def pids(self) -> tuple[int, ...]:
         return self._pids
+
+    @property
+    def running(self) -> tuple[int, ...]:
+        return () if self._done.done() else self._pids
 
     async def start(self) -> None:
         for pid in self._pids:
@@ -150,6 +158,8 @@ class StandInGroup:
     async def _tick(self) -> None:
         while not self._done.done():
             await asyncio.sleep(1.0)
+            for pid in self._pids:  # each worker's thread says it lives, whatever it does
+                self._say(pid, "alive")
             if self._active:
                 self._say(self._pids[0], "progress", step=_step(), step_time=STEP_TIME, gen=self._gen)
 
