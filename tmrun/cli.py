@@ -505,7 +505,8 @@ def top_cmd(job: JobOpt = None, endpoint: EndpointOpt = None,
     ref = _job_ref(job, endpoint)
     shown: list[str] = []  # each frame's job state
 
-    def follow(show) -> None:
+    def follow(show) -> bool:
+        """Frames until the job ends; True when its etcd went first (a local job's stops with it)."""
         def emit(frame: dict) -> None:
             shown.append(frame["state"])
             show(frame)
@@ -514,22 +515,28 @@ def top_cmd(job: JobOpt = None, endpoint: EndpointOpt = None,
         except StoreError:
             if not (shown and endpoint is None and not _still_running(job, ref)):
                 raise
-            # a local job's etcd stops with the job, maybe between two frames
-            console.info(f"job {ref.job} has ended and its etcd with it; tmrun events --job {ref.job} shows "
-                         "its history")
+            return True
+        return False
+
+    def gone() -> None:  # said after the live view has stopped drawing, or it would draw over the line
+        console.info(f"job {ref.job} has ended and its etcd with it; tmrun events --job {ref.job} shows how")
 
     if as_json:
         def line(frame: dict) -> None:
             sys.stdout.write(json.dumps(frame, sort_keys=True) + "\n")
             sys.stdout.flush()
 
-        follow(line)
+        if follow(line):
+            gone()
         return 0
+    ended_unseen = False
     try:
         with Live(console=console.screen(), auto_refresh=False, redirect_stderr=False) as live:
-            follow(lambda frame: live.update(top.render(frame), refresh=True))
+            ended_unseen = follow(lambda frame: live.update(top.render(frame), refresh=True))
     except KeyboardInterrupt:  # the way out of a live view: not an error
         pass
+    if ended_unseen:
+        gone()
     return 0
 
 
