@@ -149,6 +149,7 @@ class AgentConfig:
     # Under SLURM, the node that hosts the embedded etcd keeps it up until the others have left.
     hosts_store: bool = False
     metrics_port: int | None = None  # --metrics-port: None off, 0 a free port (agent/metrics.py)
+    grow: bool = False  # --grow: standbys and rejoined nodes grow an elastic job below MAX
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_nodes <= self.max_nodes:

@@ -97,7 +97,7 @@ class Leader:
         self._wall = wall
         t = cfg.timeouts
         self._limits = Limits(cfg.min_nodes, cfg.max_nodes, cfg.worker.max_restarts, t.join, t.last_call,
-                              t.failure_window, t.standby_fill)
+                              t.failure_window, t.standby_fill, cfg.grow)
         self._tcp_stores: collections.deque = collections.deque(maxlen=3)
         self._swaps_reported: set[int] = set()
         self._parsed: dict[str, tuple[int, Any]] = {}
@@ -175,6 +175,7 @@ class Leader:
         last_reason = ""
         while True:
             seen = mirror.version
+            woke = time.monotonic()  # the change that woke this pass has reached the leader's copy
             entries = mirror.snapshot()
             leader = entries.get(self._keys.leader)
             if leader is None or leader.value.get("node") != self._cfg.node:
@@ -213,15 +214,18 @@ class Leader:
                 log.info("%s is being drained: handing leadership over", me)
                 await self._store.delete(self._keys.leader)
                 return
-            written = await self._apply(decision, cluster, plan_entry)
+            written = await self._apply(decision, cluster, plan_entry, woke)
             # Decide next on a copy that holds these writes (the watch brings them a moment later).
             latest = max([(await self._store.stat(key))[0] for key in written], default=0)
             if not await mirror.caught_up(latest, CATCH_UP):
                 log.warning("%s: the job's keys did not show the leader's own write within %g s", self._cfg.node,
                             CATCH_UP)
 
-    async def _apply(self, decision: Decision, cluster: Cluster, plan_entry: Entry | None) -> list[str]:
-        """Carry ``decision`` out; returns the keys written."""
+    async def _apply(self, decision: Decision, cluster: Cluster, plan_entry: Entry | None,
+                     woke: float) -> list[str]:
+        """Carry ``decision`` out; returns the keys written. A new plan's event says how long the
+        leader took from the change reaching its copy of the keys to the plan written
+        (``decision_ms``: reading the copy, deciding, the generation's TCPStore, the write)."""
         plan = cluster.plan
         gen = plan.gen if plan else 0
         written: list[str] = []
@@ -247,7 +251,7 @@ class Leader:
             if not await self._store.replace(self._keys.plan, new_plan.to_dict(),
                                              mod_revision=plan_entry.mod_revision if plan_entry else 0):
                 return written  # someone else changed the plan: look again
-            await self._event(decision, gen)
+            await self._event(decision, gen, decision_ms=round((time.monotonic() - woke) * 1e3, 2))
         for answer in decision.answers:
             key = self._keys.request(answer.request_id)
             entry = await self._store.get(key)
@@ -290,9 +294,9 @@ class Leader:
         await append_event(self._store, self._keys, int(summary["at"] * 1e9), record, once=True,
                            known=self._known_events())
 
-    async def _event(self, decision: Decision, gen: int) -> None:
+    async def _event(self, decision: Decision, gen: int, **data: Any) -> None:
         record = EventRecord(self._wall(), decision.kind or decision.action.value, decision.reason, gen,
-                             {"members": list(decision.members), "out": dict(decision.out)})
+                             {"members": list(decision.members), "out": dict(decision.out), **data})
         await append_event(self._store, self._keys, time.time_ns(), record, known=self._known_events())
 
     def _known_events(self) -> list[str] | None:

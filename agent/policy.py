@@ -16,10 +16,15 @@ Which node takes which place (the rank policy)::
   node's place.
 - A standby takes the lost node's place, at the same index: healthy nodes never move.
 - No standby left: an elastic job (``--nnodes MIN:MAX``) shrinks while it stays at MIN or above;
-  otherwise the node restarts in place, at most ``--max-restarts`` times for the whole job.
+  otherwise the node restarts in place, at most ``--max-restarts`` times for the whole job. A
+  hot job shrinks without a restart: the survivors switch to the smaller group (``swap-now``
+  after a failure, ``swap-agreed`` at a step both sides vote for after a drain); the members
+  after the leaver move down one place, since group ranks are contiguous.
 - A lost node (lease expired) can't restart in place; the job waits ``join`` seconds for a node.
-- An elastic job below MAX grows with nodes that join as regular nodes; nodes started as
-  standbys (``--standby``) stay in the pool for failures and drains.
+- An elastic job below MAX grows with nodes that join as regular nodes (a hot job without a
+  restart: ``swap-agreed``, the newcomers appended as ``joiners``, once no swap is in progress);
+  nodes started as standbys (``--standby``) and nodes that rejoined the pool (``drain --rejoin``)
+  stay in the pool for failures and drains, unless ``--grow`` lets them grow the job too.
 
 Drains (requests) wait while a swap is in progress (a joiner of the current generation has not
 switched in yet), then are answered in order; a drained node with ``rejoin`` leaves its place and
@@ -86,6 +91,7 @@ class Limits:
     last_call: float = 1.0
     failure_window: float = 6.0
     standby_fill: float = 10.0
+    grow: bool = False  # standbys and rejoined nodes grow an elastic job below MAX (--grow)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,9 +140,14 @@ def quorum_reached(cluster: Cluster, limits: Limits) -> bool:
 
 
 def swap_in_progress(cluster: Cluster, plan: Plan) -> bool:
-    """Whether a live joiner of ``plan`` has not switched into it yet."""
-    return plan.mode.startswith("swap") and any(
-        j in cluster.nodes and _run(cluster, j).last_swap.get("gen") != plan.gen for j in plan.joiners)
+    """Whether a live joiner of ``plan`` has not switched into it yet; in a resize without joiners
+    (a hot shrink), whether a member still training has not switched."""
+    if not plan.mode.startswith("swap"):
+        return False
+    if plan.joiners:
+        return any(j in cluster.nodes and _run(cluster, j).last_swap.get("gen") != plan.gen for j in plan.joiners)
+    return any(m in cluster.nodes and _run(cluster, m).state == "running" and _run(cluster, m).last_swap.get("gen")
+               != plan.gen for m in plan.members)
 
 
 def failure_pending(cluster: Cluster) -> bool:
@@ -173,13 +184,27 @@ def decide(cluster: Cluster, limits: Limits, clock: Clock) -> Decision:
                         "swaps need no restart", members=plan.members, out=plan.out, restarts=plan.restarts,
                         in_place_restarts=plan.in_place_restarts, hot_swaps=plan.hot_swaps, kind="hot", hot=True,
                         mode=plan.mode)
-    growth = [n for n in _pool(cluster, plan) if not cluster.nodes[n].standby_hint]
+    growth = _growth(cluster, plan, limits)
     if len(plan.members) < limits.max_nodes and growth:
+        if swap_in_progress(cluster, plan):
+            return Decision(Action.WAIT, f"scale-up with {growth[0]} waits: generation {plan.gen}'s switch "
+                            "is in progress")
         joiners = tuple(growth[: limits.max_nodes - len(plan.members)])
-        return Decision(Action.START, f"scale-up: {', '.join(joiners)} join", members=plan.members + joiners,
-                        out=plan.out, restarts=plan.restarts, in_place_restarts=plan.in_place_restarts,
-                        hot_swaps=plan.hot_swaps, kind="scale-up", hot=plan.hot)
+        hot = plan.hot
+        return Decision(Action.START, f"scale-up: {', '.join(joiners)} join" + (" (no restart)" if hot else ""),
+                        members=plan.members + joiners, out=plan.out, restarts=plan.restarts,
+                        in_place_restarts=plan.in_place_restarts, hot_swaps=plan.hot_swaps + (1 if hot else 0),
+                        kind="scale-up", hot=hot, mode="swap-agreed" if hot else "restart",
+                        joiners=joiners if hot else ())
     return Decision(Action.WAIT, f"generation {plan.gen} is running")
+
+
+def _growth(cluster: Cluster, plan: Plan, limits: Limits) -> list[str]:
+    """Pool nodes that grow an elastic job: those that joined as regular nodes; with ``--grow``,
+    standbys and nodes that rejoined the pool too."""
+    if limits.grow:
+        return _pool(cluster, plan)
+    return [n for n in _pool(cluster, plan) if not cluster.nodes[n].standby_hint and n not in plan.out]
 
 
 def _rendezvous(cluster: Cluster, limits: Limits, clock: Clock) -> Decision:
@@ -273,6 +298,7 @@ def _replace(cluster: Cluster, plan: Plan, limits: Limits, clock: Clock,
     pool = _pool(cluster, plan)
     notes: list[str] = []
     in_place: list[str] = []
+    shrunk = False
     for culprit in culprits:
         cause = "lost" if culprit in lost else "failed"
         what = f"{culprit} {'was lost' if cause == 'lost' else _describe(cluster, culprit)}"
@@ -285,6 +311,7 @@ def _replace(cluster: Cluster, plan: Plan, limits: Limits, clock: Clock,
             members.remove(culprit)
             out[culprit] = cause
             notes.append(f"{what}; no standby, the job shrinks to {len(members)} nodes")
+            shrunk = True
         elif cause == "lost":
             since = clock.failure_since if clock.failure_since is not None else clock.now
             if clock.now >= since + limits.join_timeout:
@@ -300,11 +327,12 @@ def _replace(cluster: Cluster, plan: Plan, limits: Limits, clock: Clock,
         return Decision(Action.FINISH, f"{'; '.join(notes).replace(', restarting in place', '')}"
                         f" and --max-restarts {limits.max_restarts} is used up",
                         outcome="failed", kind="failed")
-    swap = plan.hot and not in_place and len(members) == len(plan.members)
+    swap = plan.hot and not in_place  # the survivors keep their workers: a hot swap, a hot shrink or both
     before = set(plan.members)
     joiners = tuple(m for m in members if m not in before) if swap else ()
     reported = [_run(cluster, c).at for c in culprits if c not in lost and _run(cluster, c).at]
-    return Decision(Action.START, "; ".join(notes) + (" (hot swap)" if swap else ""), members=tuple(members),
+    how = (" (hot swap)" if joiners else "") + (" (no restart)" if shrunk else "") if swap else ""
+    return Decision(Action.START, "; ".join(notes) + how, members=tuple(members),
                     out=out, restarts=plan.restarts + (0 if swap else 1), in_place_restarts=in_place_restarts,
                     hot_swaps=plan.hot_swaps + (1 if swap else 0), kind="failure",
                     hot=plan.hot, mode="swap-now" if swap else "restart", joiners=joiners,
@@ -331,17 +359,19 @@ def _on_request(cluster: Cluster, plan: Plan, limits: Limits, request: Request) 
             text = f"drain {node}: {pool[0]} takes its place" + (" (hot swap)" if plan.hot else "")
         elif len(members) - 1 >= limits.min_nodes:
             members.remove(node)
-            text = f"drain {node}: no standby, the job shrinks to {len(members)} nodes"
+            mode = "swap-agreed" if plan.hot else "restart"
+            text = f"drain {node}: no standby, the job shrinks to {len(members)} nodes" + \
+                (" (no restart)" if plan.hot else "")
         else:
             return _answer(request, "rejected", f"cannot drain {node}: no standby can take its place "
                            f"and the job is at its minimum size ({limits.min_nodes} nodes)")
         if request.rejoin:
             text += f"; {node} rejoins the pool as a standby"
-        handover = {node: pool[0]} if mode == "swap-agreed" and cluster.nodes[pool[0]].slots == plan.slots[node] \
-            else {}
+        joiner = pool[0] if pool and mode != "restart" else None
+        handover = {node: joiner} if joiner and cluster.nodes[joiner].slots == plan.slots[node] else {}
         return Decision(Action.START, text, members=tuple(members), out={**plan.out, node: leaving},
                         answers=(Answer(request.id, "accepted", text),), kind="drain", hot=plan.hot, mode=mode,
-                        joiners=(pool[0],) if mode != "restart" else (), handover=handover,
+                        joiners=(joiner,) if joiner else (), handover=handover,
                         hot_swaps=plan.hot_swaps + (1 if mode == "swap-agreed" else 0), **keep)
     if node in cluster.nodes:
         if request.rejoin:

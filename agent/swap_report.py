@@ -1,5 +1,7 @@
 """The summary of one swap, from what its members reported: the ``swap`` event's timings.
 
+A resize without a restart (a hot shrink: no joiners) is summarized the same way.
+
 Every member of a swapped-into generation keeps its side of the swap in ``last_swap`` (see
 :mod:`agent.node`): when its workers had built the new group (``ready_at``), switched to it
 (``switched_at``) and committed their first step in it (``first_step_at``), and what the switch
@@ -25,7 +27,7 @@ from agent.records import Plan, RunState
 
 def summarize(plan: Plan, runs: Mapping[str, RunState]) -> dict[str, Any] | None:
     """The swap into ``plan``'s generation, or None while a member has not committed a step in it."""
-    if not plan.mode.startswith("swap") or not plan.joiners:
+    if not plan.mode.startswith("swap"):
         return None
     swaps, holders, joined = [], [], []
     for member in plan.members:
@@ -45,6 +47,7 @@ def summarize(plan: Plan, runs: Mapping[str, RunState]) -> dict[str, Any] | None
         "gen": plan.gen,
         "mode": plan.mode,
         "joiners": list(plan.joiners),
+        "members": len(plan.members),
         "handover": dict(plan.handover),
         "requested": start,
         "plan_written_s": round(plan.created - start, 4),
@@ -70,8 +73,9 @@ def summarize(plan: Plan, runs: Mapping[str, RunState]) -> dict[str, Any] | None
 
 def describe(summary: dict[str, Any]) -> str:
     """One line for ``tmrun events``."""
-    who = ", ".join(summary["joiners"])
-    text = (f"{who} switched in: phase 1 done {summary['phase1_done_s']} s, switch {summary['switched_s']} s, "
+    who = f"{', '.join(summary['joiners'])} switched in" if summary["joiners"] else \
+        f"the job switched to {summary.get('members', '?')} nodes without a restart"
+    text = (f"{who}: phase 1 done {summary['phase1_done_s']} s, switch {summary['switched_s']} s, "
             f"first step {summary['first_step_s']} s after the {'request' if summary['mode'] == 'swap-agreed' else 'failure'}; "
             f"stall {summary['stall_s']:.3f} s, {summary['bytes_moved'] / 1e6:.1f} MB moved")
     if summary["bytes_from_leaver"]:

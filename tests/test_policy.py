@@ -584,6 +584,73 @@ def test_rejoin_of_a_standby_changes_nothing() -> None:
     assert got.action is Action.ANSWER and got.answers[0].state == "done" and "standby already" in got.answers[0].text
 
 
+# -- hot elastic jobs: shrink and grow without a restart ---------------------------------------
+
+HOT_ABC = hot_plan(("a", "b", "c"))
+ELASTIC_1_3 = Limits(min_nodes=1, max_nodes=3)
+
+ELASTIC_HOT = [
+    Case("a-failure-shrinks-a-hot-job-without-a-restart",
+         cluster(running("a", 1), failed("b", 2, -9), running("c", 3), plan=HOT_ABC), ELASTIC_1_3, T0,
+         Action.START, members=("a", "c"), out={"b": "failed"}, restarts=0, hot_swaps=1,
+         reason_has=("shrinks to 2", "no restart")),
+    Case("a-lost-node-shrinks-a-hot-job-without-a-restart",
+         cluster(running("a", 1), running("c", 3), plan=HOT_ABC), ELASTIC_1_3, T0,
+         Action.START, members=("a", "c"), out={"b": "lost"}, restarts=0, hot_swaps=1),
+    Case("a-drain-shrinks-a-hot-job-without-a-restart",
+         cluster(running("a", 1), running("b", 2), running("c", 3), plan=HOT_ABC, requests=(drain("a"),)),
+         ELASTIC_1_3, T0, Action.START, members=("b", "c"), out={"a": "drained"}, restarts=0, hot_swaps=1,
+         answers=("accepted",), reason_has=("shrinks to 2", "no restart")),
+    Case("a-hot-job-at-its-minimum-restarts-in-place-instead",
+         cluster(running("a", 1), failed("b", 2, -9), plan=hot_plan(("a", "b"))),
+         Limits(min_nodes=2, max_nodes=3, max_restarts=1), T0, Action.START, members=("a", "b"), restarts=1,
+         in_place_restarts=1, hot_swaps=0),
+    Case("a-regular-node-grows-a-hot-job-without-a-restart",
+         cluster(running("a", 1), running("c", 3), node("d", 4), plan=hot_plan(("a", "c"))), ELASTIC_1_3, T0,
+         Action.START, members=("a", "c", "d"), restarts=0, hot_swaps=1, reason_has=("scale-up", "no restart")),
+    Case("a-standby-does-not-grow-the-job-by-default",
+         cluster(running("a", 1), running("c", 3), node("s", 4, hint=True), plan=hot_plan(("a", "c"))),
+         ELASTIC_1_3, T0, Action.WAIT),
+    Case("with-grow-a-standby-grows-the-job",
+         cluster(running("a", 1), running("c", 3), node("s", 4, hint=True), plan=hot_plan(("a", "c"))),
+         dataclasses.replace(ELASTIC_1_3, grow=True), T0, Action.START, members=("a", "c", "s")),
+    Case("a-rejoined-node-does-not-grow-the-job-by-default",
+         cluster(running("a", 1), node("b", 2, state="shadow"), plan=hot_plan(("a",), gen=2, out={"b": "rejoining"})),
+         ELASTIC_1_3, T0, Action.WAIT),
+    Case("with-grow-a-rejoined-node-grows-the-job",
+         cluster(running("a", 1), node("b", 2, state="shadow"), plan=hot_plan(("a",), gen=2, out={"b": "rejoining"})),
+         dataclasses.replace(ELASTIC_1_3, grow=True), T0, Action.START, members=("a", "b")),
+]
+
+
+@pytest.mark.parametrize("case", ELASTIC_HOT, ids=[c.id for c in ELASTIC_HOT])
+def test_hot_elastic_jobs_resize_without_a_restart(case: Case) -> None:
+    check(case, decide(case.cluster, case.limits, case.clock))
+
+
+def test_a_hot_shrink_and_growth_are_swaps_with_and_without_joiners() -> None:
+    lost = decide(cluster(running("a", 1), running("c", 3), plan=HOT_ABC), ELASTIC_1_3, T0)
+    assert (lost.mode, lost.joiners, lost.kind) == ("swap-now", (), "failure")
+    drained = decide(cluster(running("a", 1), running("b", 2), running("c", 3), plan=HOT_ABC,
+                             requests=(drain("b"),)), ELASTIC_1_3, T0)
+    assert (drained.mode, drained.joiners, dict(drained.handover)) == ("swap-agreed", (), {})
+    grown = decide(cluster(running("a", 1), running("c", 3), node("d", 4), plan=hot_plan(("a", "c"))),
+                   ELASTIC_1_3, T0)
+    assert (grown.mode, grown.joiners, grown.kind) == ("swap-agreed", ("d",), "scale-up")
+
+
+def test_growth_and_drains_wait_while_the_survivors_of_a_shrink_have_not_switched() -> None:
+    shrunk = hot_plan(("a", "c"), gen=2, mode="swap-now", out={"b": "failed"})
+    waiting = (running("a", 1, gen=2), running("c", 3, gen=2), node("d", 4))
+    got = decide(cluster(*waiting, plan=shrunk), ELASTIC_1_3, T0)
+    assert got.action is Action.WAIT and "in progress" in got.reason
+    got = decide(cluster(*waiting, plan=shrunk, requests=(drain("a"),)), ELASTIC_1_3, T0)
+    assert got.action is Action.WAIT and got.answers == ()
+    switched_in = (switched(waiting[0], 2), switched(waiting[1], 2), waiting[2])
+    got = decide(cluster(*switched_in, plan=shrunk), ELASTIC_1_3, T0)
+    assert got.action is Action.START and got.members == ("a", "c", "d") and got.joiners == ("d",)
+
+
 # -- the end of the job: a failure after the last step is the job's failure --------------------
 
 

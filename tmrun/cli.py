@@ -119,6 +119,9 @@ def launch(
                                         help="Workers per node: an integer, auto, cpu or gpu.")] = "1",
     standby: Annotated[int, _opt("--standby", env="TMRUN_STANDBY", help="Standby nodes kept ready (local cluster: "
                                  "started on this machine).", parser=_integer(0, MAX_NODES))] = 0,
+    grow: Annotated[bool, _opt("--grow", env="TMRUN_GROW", help="Elastic jobs (--nnodes MIN:MAX): standbys and "
+                               "nodes back from drain --rejoin grow the job while it is below MAX, instead of "
+                               "waiting for a failure or drain.")] = False,
     node_name: Annotated[Optional[str], _opt("--node-name", env="TMRUN_NODE_NAME",
                                              help="This node's name in the job (default: hostname).")] = None,
     max_restarts: Annotated[int, _opt("--max-restarts", "--max_restarts", env="PET_MAX_RESTARTS",
@@ -200,6 +203,8 @@ def launch(
     if module and no_python:
         raise ConfigError("--module and --no-python cannot be used together")
     min_nodes, max_nodes = parse_nnodes(nnodes)
+    if grow and min_nodes == max_nodes:
+        console.warning(f"--grow has no effect with a fixed --nnodes {max_nodes}: the job never grows")
     nproc = _nproc(nproc_per_node)
     conf = parse_rdzv_conf(rdzv_conf)
     for key in sorted(set(conf) - KNOWN_RDZV_CONF):
@@ -212,7 +217,7 @@ def launch(
     slurm = None if standalone else detect_slurm(os.environ)
     common = dict(min_nodes=min_nodes, max_nodes=max_nodes, timeouts=timeouts, worker=worker,
                   monitor_interval=monitor_interval, tls_cacert=etcd_cacert, tls_cert=etcd_cert, tls_key=etcd_key,
-                  metrics_port=metrics_port, **_etcd_login(etcd_user, etcd_password_file))
+                  metrics_port=metrics_port, grow=grow, **_etcd_login(etcd_user, etcd_password_file))
     if standalone and rdzv_endpoint:
         console.warning("--standalone: ignoring --rdzv-endpoint, starting a local cluster")
     if standalone or (not rdzv_endpoint and slurm is None):

@@ -108,7 +108,7 @@ class RealGroup(Group):
         if op == "mean":  # as torch DDP does: each input times 1/size, then the sum (bit for bit)
             tensor.mul_(1.0 / self.size)
         self.bytes_sent += tensor.numel() * tensor.element_size()
-        future = self._pg.allreduce([tensor], options).get_future()
+        future = self._live.allreduce([tensor], options).get_future()
         return future.then(lambda f: f.value()[0])
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.futures.Future:
@@ -116,27 +116,40 @@ class RealGroup(Group):
         options.rootRank = src
         if self.rank == src:
             self.bytes_sent += tensor.numel() * tensor.element_size()
-        return self._pg.broadcast([tensor], options).get_future().then(lambda f: f.value()[0])
+        return self._live.broadcast([tensor], options).get_future().then(lambda f: f.value()[0])
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         out = [torch.empty_like(tensor) for _ in range(self.size)]
         self.bytes_sent += tensor.numel() * tensor.element_size()
-        self._pg.allgather([out], [tensor]).wait()
+        self._live.allgather([out], [tensor]).wait()
         return out
 
     def barrier(self) -> None:
-        self._pg.barrier().wait()
+        self._live.barrier().wait()
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int):
         self.bytes_sent += tensor.numel() * tensor.element_size()
-        return self._pg.send([tensor], dst, tag)
+        return self._live.send([tensor], dst, tag)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int):
-        return self._pg.recv([tensor], src, tag)
+        return self._live.recv([tensor], src, tag)
+
+    @property
+    def _live(self) -> "dist.ProcessGroupGloo":
+        if self._pg is None:
+            raise RuntimeError(f"rank {self.rank}'s group of {self.size} was closed")
+        return self._pg
 
     def close(self) -> None:
+        """Abort and drop the gloo group. gloo's ``abort`` leaves its connections open; dropping the
+        last reference closes them, so a peer waiting in a collective with this rank fails at once
+        instead of at its collective timeout (a peer that is not a direct neighbour of a dead rank
+        would otherwise wait that long)."""
+        pg, self._pg = self._pg, None
+        if pg is None:
+            return
         try:
-            self._pg.abort()
+            pg.abort()
         except (RuntimeError, AttributeError):
             pass
 

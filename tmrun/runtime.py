@@ -39,6 +39,7 @@ import torch.distributed as dist
 from tmrun.channel import AgentChannel
 from tmrun.groups import Group, RealGroup, SandboxGroup
 from tmrun.phases import Phase, Phases
+from tmrun.shares import Share, iterate
 from tmrun.swap import (Exchange, GroupSpec, Handover, Leave, ModelMismatch, NextGroup, StateLost, TakeOver,
                          exchange_state, flatten, hand_over, portable)
 
@@ -458,6 +459,10 @@ class Run:
     def _recover(self, started: float | None = None) -> None:
         """The group broke: tell the agent, wait for the next generation, rebuild, re-sync state."""
         self._phase.move(Phase.RECOVERING, f"step {self.step} did not commit: {str(self._error)[:200]}")
+        # The group is not used again. Closing it now makes every peer still waiting in one of its
+        # collectives fail at once, rather than at the collective timeout: a dead rank's
+        # neighbours see its connection drop, the others only see theirs.
+        self.group.close()
         self.channel.send("broken", gen=self.generation, step=self.step, error=str(self._error)[:500])
         self._join_next(time.monotonic() if started is None else started, my_step=self.step)
 
@@ -565,6 +570,11 @@ class Run:
             self.latch(exc)
             return tensor
 
+    def shares(self, count: int, ddp: torch.nn.Module | None = None) -> Iterator[Share]:
+        """This rank's shares of the step's global batch of ``count`` (see :mod:`tmrun.shares`): the
+        samples of a step do not depend on how many ranks there are."""
+        return iterate(self.rank, self.world_size, count, ddp)
+
     def data_parallel(self, module: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.Module:
         """DDP whose gradient traffic goes over this run's (swappable) group."""
         from tmrun.ddp import data_parallel
@@ -601,5 +611,5 @@ def init(*, timeout: float = 60.0, env: Mapping[str, str] | None = None) -> Run:
     return Run(identity, group, channel=channel, group_timeout=collective)
 
 
-__all__ = ["init", "Run", "StepFailed", "Identity"]
+__all__ = ["init", "Run", "StepFailed", "Identity", "Share"]
 

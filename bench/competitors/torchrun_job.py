@@ -119,7 +119,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def agent_command(port: int, train_args: list[str], *, nnodes: int = 2, max_restarts: int = 3,
+def agent_command(port: int, train_args: list[str], *, nnodes: int | str = 2, max_restarts: int = 3,
                   rdzv_id: str = "torchrun-gpt", rdzv_conf: dict | None = None,
                   monitor_interval: float = MONITOR_INTERVAL, script: Path = SCRIPT) -> list[str]:
     """The ``torchrun`` command line of one node's agent."""
@@ -133,8 +133,11 @@ def agent_command(port: int, train_args: list[str], *, nnodes: int = 2, max_rest
 def start_job(train_args: list[str], *, nodes: tuple[str, ...] | list[str] = ("node0", "node1"),
               port: int | None = None, log_dir: Path | None = None, max_restarts: int = 3,
               rdzv_id: str = "torchrun-gpt", rdzv_conf: dict | None = None,
-              monitor_interval: float = MONITOR_INTERVAL, env: dict | None = None) -> Job:
+              monitor_interval: float = MONITOR_INTERVAL, env: dict | None = None,
+              nnodes: str | None = None) -> Job:
     """Start one torchrun agent per node name; they rendezvous among themselves.
+
+    ``nnodes`` (``"MIN:MAX"``) makes the job elastic; by default it is the number of nodes.
 
     Each agent runs in its own session (so a terminal's Ctrl-C reaches only this process) and
     appends its output, with its workers', to ``log_dir/<name>.log``. ``LOGLEVEL=INFO`` makes the
@@ -145,22 +148,30 @@ def start_job(train_args: list[str], *, nodes: tuple[str, ...] | list[str] = ("n
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="torchrun-job-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     options = dict(max_restarts=max_restarts, rdzv_id=rdzv_id, rdzv_conf=rdzv_conf,
-                   monitor_interval=monitor_interval, env=env)
-    cmd = agent_command(port, train_args, nnodes=len(nodes), max_restarts=max_restarts, rdzv_id=rdzv_id,
-                        rdzv_conf=rdzv_conf, monitor_interval=monitor_interval)
-    full_env = {**os.environ, "LOGLEVEL": "INFO", **NO_SHARED_STORE, **(env or {})}
+                   monitor_interval=monitor_interval, env=env, nnodes=nnodes or str(len(nodes)))
     started = time.time()
-    job_nodes = []
+    job = Job([], list(train_args), port, log_dir, started, options)
     for name in nodes:
-        log = log_dir / f"{name}.log"
-        with open(log, "ab") as out:
-            offset = out.tell()
-            out.write(f"=== {name} started at {time.time():.3f}: {' '.join(cmd)}\n".encode())
-            out.flush()
-            agent = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=full_env, start_new_session=True)
-        job_nodes.append(Node(name, agent, log, offset))
-    return Job(job_nodes, list(train_args), port, log_dir, started, options)
+        add_node(job, name)
+    return job
+
+
+def add_node(job: Job, name: str) -> Node:
+    """Start one more agent with the job's command line (an elastic job grows by it, with a restart)."""
+    o = job.options
+    cmd = agent_command(job.port, job.train_args, nnodes=o["nnodes"], max_restarts=o["max_restarts"],
+                        rdzv_id=o["rdzv_id"], rdzv_conf=o["rdzv_conf"], monitor_interval=o["monitor_interval"])
+    full_env = {**os.environ, "LOGLEVEL": "INFO", **NO_SHARED_STORE, **(o["env"] or {})}
+    log = job.log_dir / f"{name}.log"
+    with open(log, "ab") as out:
+        offset = out.tell()
+        out.write(f"=== {name} started at {time.time():.3f}: {' '.join(cmd)}\n".encode())
+        out.flush()
+        agent = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 env=full_env, start_new_session=True)
+    node = Node(name, agent, log, offset)
+    job.nodes.append(node)
+    return node
 
 
 def _children(pid: int) -> list[int]:
