@@ -3,9 +3,10 @@
 DDP is given a process group of one rank that never communicates (so it neither broadcasts at
 construction nor syncs buffers on its own); its bucketed gradients reach the other ranks through
 a communication hook that all-reduces over ``run.group``, whichever group is current (a real
-gloo group, or the standby's sandbox). A failed all-reduce is latched on the run and the bucket
-is returned unreduced, so ``backward()`` never raises into the user's code; ``commit()`` then
-votes the step down.
+gloo group, or the standby's sandbox). A failed all-reduce is latched on the run as a failed
+group (the step's later buckets and its vote are not sent on it) and the bucket is returned
+unreduced, so ``backward()`` never raises into the user's code; ``commit()`` then votes the
+step down.
 """
 
 import inspect
@@ -30,19 +31,19 @@ def data_parallel(run, module: torch.nn.Module, **ddp_kwargs: Any) -> Distribute
 
 def _allreduce_hook(run, bucket) -> torch.futures.Future[torch.Tensor]:  # DDP checks this annotation
     buffer = bucket.buffer()
-    if run.step_error is not None:
+    if run.group_failed:
         return completed(buffer)  # this step is already lost: don't touch a broken group again
     try:
         future = run.group.all_reduce(buffer, "mean")
     except RuntimeError as exc:
-        run.latch(exc)
+        run.latch(exc, group_failed=True)
         return completed(buffer)
 
     def settle(fut: torch.futures.Future) -> torch.Tensor:
         try:
             return fut.value()
         except RuntimeError as exc:
-            run.latch(exc)
+            run.latch(exc, group_failed=True)
             return buffer
 
     return future.then(settle)

@@ -98,6 +98,7 @@ class Run:
                              lambda text: self._warn("phase move refused", text, level=logging.ERROR))
         self._tracked: dict[str, Any] = {}
         self._error: BaseException | None = None
+        self._group_failed = False  # a collective of this step failed (see latch)
         self._voted: bool | None = None
         self._switch = False
         self._rng: torch.Tensor | None = None
@@ -171,14 +172,29 @@ class Run:
         if build.handover is None and self._build_error is None:
             self._build_error = text  # a handover pair's failure goes in the leaver's ``switched`` instead
 
-    def latch(self, error: BaseException) -> None:
-        """Remember the first error of this step; ``commit()`` will vote against the step."""
+    def latch(self, error: BaseException, *, group_failed: bool = False) -> None:
+        """Remember the first error of this step; ``commit()`` will vote against the step.
+
+        ``group_failed``: the error came from a collective of the group (a peer is gone). This
+        rank then issues nothing more on that group in this step, the vote included: its peers
+        may still be sending gradient buckets that this rank skipped, and gloo pairs messages by
+        order, so a vote sent among them would meet a bucket and gloo would abort the process
+        ("Received data size doesn't match expected size"). The step fails on this rank without
+        a vote; its peers learn it when the group is closed (``_recover``).
+        """
         if self._error is None:
             self._error = error
+        if group_failed:
+            self._group_failed = True
 
     @property
     def step_error(self) -> BaseException | None:
         return self._error
+
+    @property
+    def group_failed(self) -> bool:
+        """Whether a collective of this step failed: the group must not be used until the next one."""
+        return self._group_failed
 
     def commit(self) -> bool:
         """All ranks vote: True only if no rank latched an error in this step.
@@ -186,6 +202,10 @@ class Run:
         The same vote carries "I am ready for the next generation": when every rank is, all of
         them switch after this step (phase 2 of a planned swap), without any extra round trip.
         """
+        if self._group_failed:  # see latch(): no vote on a group that failed in this step
+            self._switch = False
+            self._voted = False
+            return False
         ok = self._error is None
         ready = self._ready_to_switch()
         votes = torch.tensor([1.0 if ok else 0.0, 1.0 if ready else 0.0])
@@ -194,7 +214,7 @@ class Run:
             agreed = ok and int(votes[0].item()) == self.group.contributors
             self._switch = agreed and ready and int(votes[1].item()) == self.group.contributors
         except RuntimeError as exc:  # the vote itself failed: a peer is gone
-            self.latch(exc)
+            self.latch(exc, group_failed=True)
             agreed = False
         self._voted = agreed
         return agreed
@@ -268,6 +288,7 @@ class Run:
 
     def _begin(self) -> None:
         self._error = None
+        self._group_failed = False
         self._voted = None
         self._switch = False
         self._rng = torch.random.get_rng_state()
@@ -556,18 +577,23 @@ class Run:
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """Reduce across ranks (in place); on failure the error is latched and the input returned."""
+        """Reduce across ranks (in place); on failure the error is latched and the input returned
+        (also, without communicating, once a collective of this step has failed)."""
+        if self._group_failed:
+            return tensor
         try:
             return self.group.all_reduce(tensor, op).wait()
         except RuntimeError as exc:
-            self.latch(exc)
+            self.latch(exc, group_failed=True)
             return tensor
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        if self._group_failed:
+            return tensor
         try:
             return self.group.broadcast(tensor, src).wait()
         except RuntimeError as exc:
-            self.latch(exc)
+            self.latch(exc, group_failed=True)
             return tensor
 
     def shares(self, count: int, ddp: torch.nn.Module | None = None) -> Iterator[Share]:
