@@ -8,7 +8,8 @@ Both run ``--nnodes 2:4`` with 4 nodes of one worker and no standby, training th
    goes on with 3. (A tmrun node killed whole, agent and all, is noticed when its lease expires,
    ``lease_ttl``: 3 s here, which the survivors then wait, as the e2e test shows.)
 2. a drain (tmrun: ``tmrun drain``; torchrun has none, its nearest is SIGTERM to one agent,
-   which leaves the rendezvous): 2 nodes;
+   which leaves the rendezvous): 2 nodes. torchrun's c10d store lives in one of its agents, and
+   losing that agent ends the whole job: its events spare that agent;
 3. a new node's agent is started: 3 nodes.
 
 tmrun resizes without a restart; torchrun stops every worker and restarts them from the last
@@ -124,6 +125,24 @@ def run_tmrun(args, wd: Path) -> dict:
 
 # ---------------------------------------------------------------------------- torchrun
 
+def _listener(port: int) -> int | None:
+    """The pid that listens on TCP ``port`` (from /proc): the agent hosting torchrun's c10d store."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(fields[9])
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}")[8:-1] in inodes for fd in os.listdir(f"/proc/{pid}/fd")):
+                return int(pid)
+        except OSError:
+            continue
+    return None
+
+
 def run_torchrun(args, wd: Path) -> dict:
     log = wd / "steps.jsonl"
     train = [*_train_args(args, log), "--ckpt-dir", str(wd / "ckpt"), "--ckpt-every", str(args.ckpt_every)]
@@ -134,22 +153,26 @@ def run_torchrun(args, wd: Path) -> dict:
     marks: list[tuple[float, str]] = []
     try:
         torchrun_job.wait_for_step(log, args.first, job, timeout=args.timeout)
-        victim = job.node("node3")
+        # The c10d store lives in one agent (whichever bound the port first); losing that agent ends
+        # the job, whatever --nnodes says. The events spare it, so that torchrun shows its best.
+        host = _listener(job.port)
+        spared = [n.name for n in job.nodes if n.pid != host]
+        victim = job.node(spared[-1])
         pids = torchrun_job.worker_pids(victim)
         at = time.time()
         os.kill(victim.pid, signal.SIGKILL)
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
-        marks.append((at, "kill -9 node3"))
+        marks.append((at, f"kill -9 {victim.name}"))
         torchrun_job.wait_for_step(log, args.first + args.every, job, after=at, timeout=args.timeout)
         at = time.time()
-        job.node("node2").agent.send_signal(signal.SIGTERM)
-        marks.append((at, "SIGTERM node2's agent"))
+        job.node(spared[-2]).agent.send_signal(signal.SIGTERM)
+        marks.append((at, f"SIGTERM {spared[-2]}'s agent"))
         torchrun_job.wait_for_step(log, args.first + 2 * args.every, job, after=at, timeout=args.timeout)
         at = time.time()
         torchrun_job.add_node(job, "node9")
         marks.append((at, "node9 joins"))
-        codes = [n.agent.wait(args.timeout) for n in job.nodes if n.name not in ("node2", "node3")]
+        codes = [n.agent.wait(args.timeout) for n in job.nodes if n.name not in spared[-2:]]
     finally:
         job.kill()
     if any(codes):
