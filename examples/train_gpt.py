@@ -8,6 +8,10 @@ group) and lets ``run.steps`` drive the loop, applying the optimizer step only w
 again with the same index and therefore the same data: the batch is a pure function of
 ``(step, rank, world_size)`` (see ``gpt_model.batch``).
 
+With ``--shares K`` every step trains on the same ``K`` batches whatever the number of ranks
+(``run.shares``: an elastic job that shrinks and grows sees the same samples per step as one that
+never changed size; ``K`` at least the largest world size).
+
 Run it as a world of one::
 
     python examples/train_gpt.py --params 1M --steps 50
@@ -65,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_training_args(p)
     p.add_argument("--out", type=Path, default=None, help="rank 0 saves the final model state_dict here")
     p.add_argument("--log-every", type=positive_int, default=10, help="log every N steps (default 10)")
+    p.add_argument("--shares", type=int, default=0,
+                   help="batch-invariant steps for elastic jobs: each step trains on SHARES batches of "
+                   "--batch-size sequences, split over whatever ranks there are (run.shares); at least the "
+                   "largest world size. Default 0: --batch-size sequences per rank, drawn per rank")
     p.add_argument("--step-log", type=Path, default=None,
                    help="append one JSON line per committed step here (main rank), and one per rank at the end")
     return p
@@ -114,11 +122,20 @@ def main(argv: list[str] | None = None) -> int:
     ddp.train()
     since, t_last = 0, time.perf_counter()
     for step in run.steps(total=args.steps):
-        x, y = batch(data, step, run.rank, run.world_size, args.batch_size, cfg.block_size,
-                     seed=args.seed, device=device)
-        logits = ddp(x)
-        loss = F.cross_entropy(logits.view(-1, VOCAB), y.view(-1))
-        loss.backward()
+        if args.shares:  # the same samples at any world size: a fixed global batch of shares
+            loss = torch.zeros((), device=device)
+            for share in run.shares(args.shares, ddp=ddp):
+                x, y = batch(data, step, share.index, share.count, args.batch_size, cfg.block_size,
+                             seed=args.seed, device=device)
+                part = F.cross_entropy(ddp(x).view(-1, VOCAB), y.view(-1)) * share.weight
+                part.backward()
+                loss += part.detach()  # averaged over the ranks below: the step's mean loss
+        else:
+            x, y = batch(data, step, run.rank, run.world_size, args.batch_size, cfg.block_size,
+                         seed=args.seed, device=device)
+            logits = ddp(x)
+            loss = F.cross_entropy(logits.view(-1, VOCAB), y.view(-1))
+            loss.backward()
         log_now = (step + 1) % args.log_every == 0 or step + 1 == args.steps
         mean_loss = None
         if log_now:  # a collective of the step itself: it precedes the vote like the gradient all-reduce

@@ -217,3 +217,20 @@ def test_train_script_world_of_one(tmp_path):
     assert int(done[1]) == 4 and int(done[2]) == cfg.num_params()
     saved = torch.load(out)
     assert state_sha256(saved) == done[3]
+
+
+@pytest.mark.timeout(90)
+def test_train_script_shares_train_on_the_same_samples_as_one_large_batch(tmp_path):
+    """``--shares 4`` of 2 sequences takes the 8 windows a single rank of ``--batch-size 8`` takes:
+    the same losses, to the rounding of summing 4 partial gradients."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    common = [sys.executable, str(EXAMPLES / "train_gpt.py"), "--params", "1M", "--steps", "4", "--log-every", "1",
+              "--block-size", "32", "--threads", "1"]
+    losses = []
+    for extra in (["--batch-size", "2", "--shares", "4"], ["--batch-size", "8"]):
+        proc = subprocess.run(common + extra, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        losses.append([float(x) for x in re.findall(r"^step \d+ loss (\d+\.\d{4})", proc.stdout, re.M)])
+    assert len(losses[0]) == 4
+    assert losses[0] == pytest.approx(losses[1], abs=2e-4)
