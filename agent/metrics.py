@@ -10,8 +10,11 @@ on the way): what the agent last heard from its workers and what it saw of the j
 writes to etcd or waits on it; a scrape never holds up the agent's loop (the server runs in a
 thread of its own, prometheus_client's).
 
-Link rates are not here yet: nothing measures the links between nodes today (the planner of a
-joiner's transfer, ``agent/transfer_plan.py``, is not wired to measurements).
+Link rates are measured passively: when this node's workers receive state in a switch, each
+source's bytes over the time its last tensor took to arrive (``tmrun_link_rate_bytes_per_second``
+with the source node as a label; the latest measurement per source). No probe measures a link
+that has not carried state yet, and the planner of a joiner's transfer
+(``agent/transfer_plan.py``) does not read these yet.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class Snapshot:
     bytes_sent: int = 0  # state this node's leavers handed over
     watch_reconnects: int = 0  # how often this agent's etcd watch came back after etcd was away
     leader: bool = False
+    links: dict = dataclasses.field(default_factory=dict)  # source node -> bytes/s measured into this node
 
 
 class AgentCollector(Collector):
@@ -75,6 +79,11 @@ class AgentCollector(Collector):
             counter = CounterMetricFamily(name, text)
             counter.add_metric([], value)
             yield counter
+        links = GaugeMetricFamily("tmrun_link_rate_bytes_per_second", "Measured rate of the link from a source "
+                                  "node into this one (the last state it sent here).", labels=["source"])
+        for source, rate in sorted(s.links.items()):
+            links.add_metric([source], rate)
+        yield links
 
 
 class MetricsServer:

@@ -108,6 +108,7 @@ class NodeAgent:
         self._switched_gens: set[int] = set()  # generations this node's workers switched into (metrics)
         self._bytes_received = 0  # state received by this node's joiners, over all switches (metrics)
         self._bytes_sent = 0  # state handed over by this node's leavers (metrics)
+        self._links: dict[str, float] = {}  # source node -> bytes/s of the last state it sent here
         self._metrics: MetricsServer | None = None
         self._role = Roles(lambda message: log.error("%s: role %s", cfg.node, message))
         self._shadow_failed = False
@@ -196,7 +197,8 @@ class NodeAgent:
                         step=run.step, step_time=run.step_time, workers=len(group.running) if group else 0,
                         swaps=len(self._switched_gens), last_stall=float(run.last_swap.get("stall") or 0.0),
                         bytes_received=self._bytes_received, bytes_sent=self._bytes_sent,
-                        watch_reconnects=self._changes.reconnects, leader=bool(leader and leader.is_leader))
+                        watch_reconnects=self._changes.reconnects, leader=bool(leader and leader.is_leader),
+                        links=dict(self._links))
 
     def _extra_tasks(self) -> list[asyncio.Task]:
         """Background tasks beside keepalive, leader and watchdog (the etcd member host, when any)."""
@@ -486,6 +488,7 @@ class NodeAgent:
             fields = {k: v for k, v in message.items() if k not in ("v", "type")}
             gen = int(fields.get("gen", 0))
             self._switched_gens.add(gen)
+            self._measure_links(gen, fields)
             self._bytes_received += int(fields.get("bytes_received") or 0)
             previous = self._run.last_swap if self._run.last_swap.get("gen") == gen else {}
             fields["stall"] = max(float(fields.get("stall", 0.0)), float(previous.get("stall", 0.0)))
@@ -502,6 +505,31 @@ class NodeAgent:
             self._progress_at = None  # waiting for the next generation is not a hang
             log.warning("%s worker %d: generation %s broke at step %s: %s", self.cfg.node, pid, message.get("gen"),
                         message.get("step"), (message["error"].splitlines() or ["(no error text)"])[0][:300])
+
+    def _measure_links(self, gen: int, switched: dict) -> None:
+        """Keep the rate of each link that carried state to this node in the switch into ``gen``:
+        a source rank's bytes over the seconds its last tensor took (``links``), and the leaver's
+        handover (``from_leaver`` over ``handover_s``). Reported in the node record."""
+        plan = self._plan
+        if plan is None or plan.gen != gen:
+            return
+        owner: dict[int, str] = {}
+        for member in plan.members:
+            offset = plan.rank_offset(member)
+            owner.update({offset + i: member for i in range(plan.slots[member])})
+        links = switched.get("links") if isinstance(switched.get("links"), dict) else {}
+        for rank, measured in links.items():
+            try:
+                size, seconds = int(measured[0]), float(measured[1])
+                source = owner[int(rank)]
+            except (KeyError, IndexError, TypeError, ValueError):
+                continue
+            if size > 0 and seconds > 0 and source != self.cfg.node:
+                self._links[source] = round(size / seconds, 1)
+        leaver = next((old for old, new in plan.handover.items() if new == self.cfg.node), None)
+        handed, took = int(switched.get("from_leaver") or 0), float(switched.get("handover_s") or 0.0)
+        if leaver is not None and handed > 0 and took > 0:
+            self._links[leaver] = round(handed / took, 1)
 
     def _store_trouble(self) -> None:
         """Tell the leader loop that etcd failed this agent just now (it waits before calling nodes lost)."""
@@ -605,7 +633,8 @@ class NodeAgent:
     def _record(self) -> NodeRecord:
         cfg = self.cfg
         return NodeRecord(cfg.node, cfg.host, os.getpid(), cfg.worker.nproc_per_node, cfg.standby_hint,
-                          self._joined_at, self._run.to_dict(), self._metrics.address if self._metrics else "")
+                          self._joined_at, self._run.to_dict(), self._metrics.address if self._metrics else "",
+                          dict(self._links))
 
     async def _watchdog(self) -> None:
         """Kill this node's runtime workers when they are hung: they committed no step for

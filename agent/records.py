@@ -183,6 +183,8 @@ class NodeRecord(Record):
     joined_at: float = 0.0
     run: dict[str, Any] = dataclasses.field(default_factory=dict)
     metrics: str = ""  # host:port of the agent's Prometheus metrics (--metrics-port), or ""
+    # measured link rates into this node: source node -> bytes/s of the last state it sent here
+    links: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def run_state(self) -> RunState:
@@ -191,6 +193,9 @@ class NodeRecord(Record):
     def _check(self) -> None:
         if self.slots < 1:
             raise RecordError(f"NodeRecord.slots: {self.slots} is not a positive number of workers")
+        bad = [source for source, rate in self.links.items() if not rate >= 0]
+        if bad:
+            raise RecordError(f"NodeRecord.links: the rate from {bad[0]!r} is not a number of bytes/s >= 0")
         self.run_state  # noqa: B018  (raises RecordError when ``run`` is not a RunState)
 
 

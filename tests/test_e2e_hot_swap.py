@@ -135,6 +135,12 @@ def test_hot_swap_schedule(schedule: Schedule, jobs, tmp_path, references):
         swap = next(r for r in found if r["kind"] == "swap" and r["gen"] == gen)["data"]
         timings = [swap[k] for k in ("plan_written_s", "phase1_started_s", "phase1_done_s", "switched_s",
                                      "first_step_s")]
+        # the links that carried the joiner's state were measured, and its node record says so
+        rows = {n["node"]: n for n in wait_status(ref, lambda d: True, 10)["nodes"]}
+        for joiner in swap["joiners"]:
+            links = rows[joiner]["links"]
+            assert links and all(rate > 0 for rate in links.values()), rows[joiner]
+            assert set(links) <= set(rows) - {joiner}, links
         assert all(t is not None and t >= 0 for t in timings) and timings == sorted(timings), swap
         if schedule.action == "drain":  # a failure's stall starts before the report (when a peer noticed)
             assert swap["stall_s"] <= swap["first_step_s"], swap

@@ -33,6 +33,23 @@ def scrape(url: str) -> dict[str, float | dict[str, str]]:
     return samples
 
 
+def link_rates(url: str) -> dict[str, float]:
+    """``tmrun_link_rate_bytes_per_second`` of ``url``, by source node."""
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    return {sample.labels["source"]: sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name == "tmrun_link_rate_bytes_per_second"}
+
+
+def test_link_rates_are_one_sample_per_source_node() -> None:
+    server = MetricsServer("127.0.0.1", 0, lambda: Snapshot(job="j", node="n2", role="member",
+                                                            links={"n0": 1.5e8, "n1": 7.5e7}))
+    try:
+        assert link_rates(f"http://{server.address}/metrics") == {"n0": 1.5e8, "n1": 7.5e7}
+    finally:
+        server.close()
+
+
 def test_a_scrape_reads_the_agent_at_that_moment_and_close_stops_the_server() -> None:
     now = {"snapshot": Snapshot(job="j1", node="gpu-3", role="member", generation=2, step=41, step_time=0.25,
                                 workers=8, swaps=1, last_stall=1.5, bytes_received=4096, leader=True)}
@@ -105,6 +122,8 @@ def test_every_agent_serves_its_metrics_and_a_swap_shows_in_them(jobs, tmp_path,
     assert joiner["tmrun_swaps_total"] == 1 and joiner["tmrun_state_received_bytes_total"] > 0, joiner
     assert survivor["tmrun_swaps_total"] == 1 and survivor["tmrun_state_received_bytes_total"] == 0, survivor
     assert survivor["tmrun_step"] > seen["node-0"]["tmrun_step"], (survivor, seen["node-0"])
+    assert link_rates(urls["node-2"]).keys() == {"node-0"} and link_rates(urls["node-2"])["node-0"] > 0  # measured
+    assert link_rates(urls["node-0"]) == {}  # the survivor received nothing
     assert job.wait(150) == 0, job.err.text()[-4000:]
     assert_same_weights(tmp_path / "final.pt", references[2])
 

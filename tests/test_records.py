@@ -42,6 +42,9 @@ GOOD_NODE = {"v": 1, "node": "node-0", "host": "h", "pid": 7, "slots": 2, "run":
     ({**GOOD_NODE, "run": {**GOOD_RUN, "worker_pids": [1, "2"]}}, "RunState.worker_pids[]"),
     ({**GOOD_NODE, "run": {**GOOD_RUN, "exitcode": 1e300 * 10}}, "RunState.exitcode"),
     ({**GOOD_NODE, "run": {**GOOD_RUN, "last_swap": {"first_step_at": "noon"}}}, "last_swap['first_step_at']"),
+    ({**GOOD_NODE, "links": {"node-1": "fast"}}, "NodeRecord.links['node-1']"),
+    ({**GOOD_NODE, "links": {"node-1": -1.0}}, "the rate from 'node-1' is not"),
+    ({**GOOD_NODE, "links": ["node-1"]}, "NodeRecord.links"),
 ])
 def test_node_record_of_the_wrong_shape_is_refused(value: dict, why: str) -> None:
     with pytest.raises(RecordError, match=".*" + why.replace("[", r"\[").replace("]", r"\]")):

@@ -95,3 +95,24 @@ def test_top_of_no_job_is_one_line_and_exit_5(tmp_path: Path) -> None:
 def test_bad_top_flags_are_one_line_and_exit_2(tmp_path: Path, args: list[str], says: str) -> None:
     done = run_tmrun(["top", *args, "--job", "x"], cwd=tmp_path, env={"TMRUN_RUNTIME_DIR": str(tmp_path / "rt")})
     assert done.returncode == 2 and says in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_the_link_matrix_shows_each_measured_link_in_mb_per_s() -> None:
+    from rich.console import Console
+
+    from tmrun.top import frame, render
+
+    row = {"role": "active", "state": "running", "ranks": [0], "step": 5, "step_time": 0.1, "last_swap": {},
+           "metrics": None, "links": {}}
+    doc = {"job": "j", "state": "running", "generation": 3, "world_size": 3, "hot_swaps": 2, "restarts": 0,
+           "standby_pool": 0, "leader": "n0", "nodes": [{**row, "node": "n0"}, {**row, "node": "n1"},
+                                                       {**row, "node": "n2", "links": {"n1": 2.5e8, "n0": 1.25e8}}]}
+    f = frame(doc, [])
+    assert f["links"] == {"measured": True, "matrix": {"n2": {"n0": 1.25e8, "n1": 2.5e8}}}
+    console = Console(width=120, record=True)
+    console.print(render(f))
+    text = console.export_text()
+    assert "links (MB/s, source → node)" in text
+    line = [line for line in text.splitlines() if line.startswith("│ n2 ")][-1]  # the nodes table's row comes first
+    assert [cell.strip() for cell in line.split("│")[2:4]] == ["125.0", "250.0"], text
+    assert frame({**doc, "nodes": doc["nodes"][:2]}, [])["links"] == {"measured": False, "matrix": {}}

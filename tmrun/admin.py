@@ -92,6 +92,7 @@ def _node_row(name: str, rec: NodeRecord | None, plan: Plan | None, ended: bool)
         "step_time": run.step_time if run else None,
         "last_swap": run.last_swap if run else {},
         "metrics": f"http://{rec.metrics}/metrics" if rec and rec.metrics else None,
+        "links": dict(rec.links) if rec else {},  # source node -> bytes/s measured into this node
     }
 
 

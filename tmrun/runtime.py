@@ -554,7 +554,9 @@ class Run:
                   "transfer": round(now - built, 4), "stall": round(now - started, 4),
                   "bytes_received": result.bytes_received + handover, "from_leaver": handover,
                   "handover_s": round(handover_s, 4), "handover_error": handover_error, "build_error": build_error,
-                  "sources": len(result.sources), **self._phase1_step_times()}
+                  "sources": len(result.sources), **self._phase1_step_times(),
+                  # what each source sent this receiver: [bytes, seconds] (its agent keeps the rates)
+                  "links": {str(src): [size, round(seconds, 6)] for src, (size, seconds) in result.links.items()}}
         self.swaps.append(record)
         self._last_progress = 0.0  # the first committed step in the new generation is reported at once
         if self.channel is not None:

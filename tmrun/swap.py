@@ -319,6 +319,9 @@ class Exchange:
     sources: tuple[int, ...]
     receivers: tuple[int, ...]
     bytes_received: int
+    # on a receiver: per source rank, (bytes received from it, seconds until its last tensor was in);
+    # the seconds are an upper bound (the receives are waited for in the order they were posted)
+    links: dict[int, tuple[int, float]] = dataclasses.field(default_factory=dict)
 
 
 def exchange_state(group: RealGroup, tracked: dict[str, Any], my_step: int, timeout: float) -> Exchange:
@@ -338,22 +341,28 @@ def exchange_state(group: RealGroup, tracked: dict[str, Any], my_step: int, time
     receivers = tuple(r for r, s in enumerate(steps) if s != top)
     me = group.rank
     received = 0
+    links: dict[int, tuple[int, float]] = {}
     if receivers:
         works = []
+        started = time.monotonic()
         for index, (_, tensor) in enumerate(tensors):
             src = sources[index % len(sources)]
             for dst in receivers:
                 if me == src:
-                    works.append(group.send(tensor, dst, index))
+                    works.append((None, 0, group.send(tensor, dst, index)))
                 elif me == dst:
-                    works.append(group.recv(tensor, src, index))
-                    received += tensor.numel() * tensor.element_size()
-        for work in works:
+                    size = tensor.numel() * tensor.element_size()
+                    works.append((src, size, group.recv(tensor, src, index)))
+                    received += size
+        for src, size, work in works:
             work.wait()
+            if src is not None:
+                got, _ = links.get(src, (0, 0.0))
+                links[src] = (got + size, time.monotonic() - started)
         blob = _leaf_blob(group, leaves, sources[0], receivers, len(tensors))
         if me in receivers:
             _load_leaves(tracked, states, blob)
-    return Exchange(top, sources, receivers, received)
+    return Exchange(top, sources, receivers, received, links)
 
 
 def _check_signatures(signatures: list[int], reference: int, me: int) -> None:

@@ -9,9 +9,10 @@ N`` stops after N frames.
 The frame (``--json``, schema 1): ``v``, ``at`` (Unix time), ``job``, ``state``, ``generation``,
 ``world_size``, ``hot_swaps``, ``restarts``, ``standby_pool``, ``leader``, ``steps_per_s`` (the
 job's; null before a step was reported), ``outcome``, ``nodes`` (``node``, ``role``, ``state``, ``ranks``, ``step``,
-``step_time``, ``steps_per_s``, ``last_stall``, ``metrics``), ``links`` (``measured``: false —
-nothing measures the links between nodes yet — and an empty ``matrix``) and ``events`` (the last
-:data:`EVENTS` of ``tmrun events``).
+``step_time``, ``steps_per_s``, ``last_stall``, ``metrics``), ``links`` (``measured``: whether any
+link was; ``matrix``: destination node -> source node -> bytes/s, the rate each link last carried
+state at, measured by the receiving agent in a switch) and ``events`` (the last :data:`EVENTS` of
+``tmrun events``). A link that has carried no state yet is not in the matrix: nothing probes it.
 """
 
 from __future__ import annotations
@@ -47,9 +48,14 @@ def frame(doc: dict[str, Any], events: list[dict[str, Any]]) -> dict[str, Any]:
         "world_size": doc["world_size"], "hot_swaps": doc["hot_swaps"], "restarts": doc["restarts"],
         "standby_pool": doc["standby_pool"], "leader": doc["leader"],
         "steps_per_s": min(rates) if rates else None,  # the job goes at its slowest member's pace
-        "outcome": doc.get("outcome"), "nodes": nodes, "links": {"measured": False, "matrix": {}},
+        "outcome": doc.get("outcome"), "nodes": nodes, "links": _links(doc["nodes"]),
         "events": events[-EVENTS:],
     }
+
+
+def _links(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    matrix = {row["node"]: dict(sorted(row["links"].items())) for row in rows if row.get("links")}
+    return {"measured": bool(matrix), "matrix": dict(sorted(matrix.items()))}
 
 
 async def follow(store: Store, job: str, interval: float, count: int | None,
@@ -92,7 +98,7 @@ def render(f: dict[str, Any]) -> RenderableType:
                       f"{n['step_time']:.3f} s" if n["step_time"] else "-",
                       f"{n['last_stall']:.3f} s" if n["last_stall"] is not None else "-", n["metrics"] or "-")
     parts.append(nodes)
-    parts.append(Text("links: not measured (nothing measures the links between nodes yet)", style="dim"))
+    parts.append(_link_matrix(f["links"]))
     events = Table(show_header=True, header_style="bold", title="recent events", title_justify="left")
     for column in ("time", "gen", "kind", "what happened"):
         events.add_column(column)
@@ -101,3 +107,19 @@ def render(f: dict[str, Any]) -> RenderableType:
         events.add_row(at, str(row["gen"]), row["kind"], row["text"])
     parts.append(events)
     return Group(*parts)
+
+
+def _link_matrix(links: dict[str, Any]) -> RenderableType:
+    """Destinations down, sources across, in MB/s; a link that carried no state yet shows "-"."""
+    matrix = links["matrix"]
+    if not matrix:
+        return Text("links: none measured yet (a link's rate is measured when it carries state in a switch)",
+                    style="dim")
+    sources = sorted({source for row in matrix.values() for source in row})
+    table = Table(show_header=True, header_style="bold", title="links (MB/s, source → node)", title_justify="left")
+    table.add_column("node ← source")
+    for source in sources:
+        table.add_column(source, justify="right")
+    for node, row in matrix.items():
+        table.add_row(node, *(f"{row[source] / 1e6:.1f}" if source in row else "-" for source in sources))
+    return table
