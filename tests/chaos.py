@@ -256,20 +256,29 @@ def inject(fault: Fault, doc: dict, kill_etcd: Callable[[str | None], None],
         return set()
     if fault.kind == "kill-leader-agent":
         leader = next((n for n in doc["nodes"] if n["node"] == doc["leader"]), None)
-        if leader is None or leader["agent_pid"] is None:
-            return set()
-        os.kill(leader["agent_pid"], signal.SIGKILL)
+        if leader is None or leader["agent_pid"] is None or not _signal(leader["agent_pid"], signal.SIGKILL):
+            return set()  # no leader, or the status still names one that an earlier fault killed
         return set(leader["ranks"])
     if node is None:  # that rank's node already left (a second fault after the first)
         return set()
     if fault.kind in ("kill-worker", "hang-worker"):
         for pid in node["worker_pids"]:
-            os.kill(pid, signal.SIGKILL if fault.kind == "kill-worker" else signal.SIGSTOP)
+            _signal(pid, signal.SIGKILL if fault.kind == "kill-worker" else signal.SIGSTOP)
     elif fault.kind == "kill-agent":
-        os.kill(node["agent_pid"], signal.SIGKILL)
+        _signal(node["agent_pid"], signal.SIGKILL)
     else:
         drain(node["node"], fault.kind == "drain-rejoin")
     return set(node["ranks"]) if fault.kind in REPLACES else set()
+
+
+def _signal(pid: int, sig: int) -> bool:
+    """Send ``sig``; False when the process is gone already (a second fault on what the first killed:
+    the status read between them can still name it)."""
+    try:
+        os.kill(pid, sig)
+        return True
+    except ProcessLookupError:
+        return False
 
 
 def reap_drains(drains: list[subprocess.Popen], timeout: float = 120) -> None:
