@@ -182,6 +182,7 @@ WARNS = [
     ("node-rank", ["--node-rank", "1"], "--node-rank has no effect"),
     ("rdzv-backend", ["--rdzv-backend", "c10d"], "--rdzv-backend c10d"),
     ("unknown-rdzv-conf-key", ["--rdzv-conf", "colour=blue"], "--rdzv-conf colour: unknown key"),
+    ("grow-with-a-fixed-size", ["--grow", "--nnodes", "2"], "--grow has no effect with a fixed --nnodes 2"),
 ]
 
 
@@ -207,6 +208,7 @@ def test_warning_and_error_in_a_process() -> None:
 def test_flags_left_alone_do_not_warn(capsys) -> None:
     assert main(["--rdzv-backend", "etcd", "missing.py"]) == 2
     assert main(["missing.py"]) == 2
+    assert main(["--grow", "--nnodes", "2:4", "missing.py"]) == 2  # an elastic job: --grow has an effect
     assert WARNING not in capsys.readouterr().err
 
 
