@@ -87,6 +87,19 @@ def test_every_schedule_has_survivors() -> None:
     assert all(schedule.survivors for schedule in SCHEDULES)
 
 
+def _assert_each_step_committed_once(events: list[dict], rank: int, killed: set[int] = frozenset()) -> None:
+    """``rank``'s workers committed every step once. A worker the test SIGKILLed (``killed`` pids) may
+    have committed one step more than it printed (killed between its vote and its line): that step
+    may be missing, and only that one, right after the killed worker's last line."""
+    steps = sorted(e["step"] for e in events if e["rank"] == rank and e["committed"])
+    assert len(steps) == len(set(steps)), f"rank {rank}: a step committed twice"
+    missing = sorted(set(range(STEPS)) - set(steps))
+    if not missing:
+        return
+    last_lines = {max((e["step"] for e in events if e["pid"] == pid and e["committed"]), default=-1) for pid in killed}
+    assert len(missing) == 1 and missing[0] - 1 in last_lines, f"rank {rank}: steps {missing} never committed"
+
+
 def _events(text: str) -> list[dict]:
     return [event for _, event in _prefixed_events(text)]
 
@@ -153,14 +166,12 @@ def test_hot_swap_schedule(schedule: Schedule, jobs, tmp_path, references):
 
     assert_same_weights(tmp_path / "final.pt", references[schedule.nodes])
     events = [e for e in _events(job.out.text()) if e.get("role") == "active" and "step" in e]
-    committed: dict[int, list[int]] = {}
     pids: dict[int, set[int]] = {}
     for event in events:
         pids.setdefault(event["rank"], set()).add(event["pid"])
-        if event["committed"]:
-            committed.setdefault(event["rank"], []).append(event["step"])
+    killed = {target["worker_pids"][0]} if schedule.action == "kill" else set()
     for rank in range(schedule.nodes):
-        assert sorted(committed[rank]) == list(range(STEPS)), f"rank {rank}: a step committed twice or never"
+        _assert_each_step_committed_once(events, rank, killed)
     before = {n["ranks"][0]: n["worker_pids"][0] for n in doc["nodes"] if n["ranks"]}
     for rank in schedule.survivors:  # the same process from the first step to the last
         assert pids[rank] == {before[rank]}, f"rank {rank} was restarted: pids {pids[rank]}, before {before[rank]}"
@@ -204,7 +215,7 @@ def test_a_worker_stopped_while_it_waits_for_the_next_generation_is_swapped_out(
     events = [e for e in _events(job.out.text()) if e.get("role") == "active" and "step" in e]
     assert {e["pid"] for e in events if e["rank"] == 0} == {by_rank[0]["worker_pids"][0]}  # rank 0 never restarted
     for rank in range(3):
-        assert sorted(e["step"] for e in events if e["rank"] == rank and e["committed"]) == list(range(STEPS)), rank
+        _assert_each_step_committed_once(events, rank, {by_rank[1]["worker_pids"][0]})
 
 
 @pytest.mark.timeout(300)
