@@ -513,18 +513,15 @@ class NodeAgent:
         plan = self._plan
         if plan is None or plan.gen != gen:
             return
-        owner: dict[int, str] = {}
-        for member in plan.members:
-            offset = plan.rank_offset(member)
-            owner.update({offset + i: member for i in range(plan.slots[member])})
+        owner = plan.rank_owners()
         links = switched.get("links") if isinstance(switched.get("links"), dict) else {}
         for rank, measured in links.items():
             try:
                 size, seconds = int(measured[0]), float(measured[1])
-                source = owner[int(rank)]
-            except (KeyError, IndexError, TypeError, ValueError):
+                source = owner[int(rank)] if int(rank) >= 0 else ""
+            except (IndexError, TypeError, ValueError):
                 continue
-            if size > 0 and seconds > 0 and source != self.cfg.node:
+            if size > 0 and seconds > 0 and source and source != self.cfg.node:
                 self._links[source] = round(size / seconds, 1)
         leaver = next((old for old, new in plan.handover.items() if new == self.cfg.node), None)
         handed, took = int(switched.get("from_leaver") or 0), float(switched.get("handover_s") or 0.0)

@@ -331,7 +331,7 @@ def _replace(cluster: Cluster, plan: Plan, limits: Limits, clock: Clock,
     before = set(plan.members)
     joiners = tuple(m for m in members if m not in before) if swap else ()
     reported = [_run(cluster, c).at for c in culprits if c not in lost and _run(cluster, c).at]
-    how = (" (hot swap)" if joiners else "") + (" (no restart)" if shrunk else "") if swap else ""
+    how = (" (hot swap)" if joiners else "") + (" (no restart)" if swap and shrunk else "")
     return Decision(Action.START, "; ".join(notes) + how, members=tuple(members),
                     out=out, restarts=plan.restarts + (0 if swap else 1), in_place_restarts=in_place_restarts,
                     hot_swaps=plan.hot_swaps + (1 if swap else 0), kind="failure",

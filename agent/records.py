@@ -242,6 +242,10 @@ class Plan(Record):
         training: idle, or waiting warm as shadow workers)."""
         return self.out.get(node) == "rejoining" and node not in self.members and run.state in ("idle", "shadow")
 
+    def rank_owners(self) -> list[str]:
+        """The member holding each group rank (index: the rank), in one pass over the members."""
+        return [member for member in self.members for _ in range(self.slots[member])]
+
     def rank_offset(self, node: str) -> int:
         offset = 0
         for member in self.members:

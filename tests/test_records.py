@@ -56,6 +56,7 @@ def test_records_round_trip_and_convert_lists() -> None:
     assert rec.run_state.worker_pids == (11, 12) and rec.run_state.last_swap == {"gen": 1, "stall": 0.5}
     plan = Plan(3, ("a", "b"), {"a": 1, "b": 2}, "h", 1, "a", joiners=("b",))
     assert Plan.from_dict(plan.to_dict()) == plan
+    assert plan.rank_owners() == ["a", "b", "b"] and [plan.rank_offset(m) for m in plan.members] == [0, 1]
     assert Plan.from_dict({**plan.to_dict(), "members": ["a", "b"], "created": 5}).created == 5.0
     for bad in ({"members": ["a", "c"]}, {"members": ["a", "a"]}, {"slots": {"a": 1, "b": -1}},
                 {"out": {"a": 1}}, {"store_port": "1"}, {"members": ["a", 2]}, {"members": ["a", None]},
