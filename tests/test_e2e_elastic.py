@@ -146,7 +146,10 @@ def test_an_elastic_job_shrinks_and_grows_without_restarting_anyone(jobs, tmp_pa
         torch.testing.assert_close(final_weights[name], tensor, rtol=1e-4, atol=1e-6)
 
     for node in ("node-2", "node-3"):  # trained from the first step to the last in one process
-        assert sorted(r["step"] for r in rows if r["pid"] == pids[node]) == list(range(STEPS)), node
+        printed = sorted(r["step"] for r in rows if r["pid"] == pids[node])
+        assert len(printed) == len(set(printed)), f"{node} committed a step twice: {printed}"
+        # the one step it may lack is the partial last step of generation 1 (see above)
+        assert set(range(STEPS)) - set(printed) <= partial, f"{node} lacks steps: {printed}"
     for row in rows:  # every committed step came from a first-generation process or the newcomer's
         assert row["pid"] in pids.values() or row["gen"] >= 4, row
     assert "started generation 2" not in job.err.text() and "started generation 3" not in job.err.text()
