@@ -42,6 +42,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import shutil
 import signal
@@ -434,10 +435,20 @@ class NodeAgent:
         mode = "now" if plan.mode == "swap-now" else "agreed"
         handover = self.cfg.node in plan.handover.values() and promoted
         self._prepared_at[plan.gen] = time.time()
+        owners = plan.rank_owners()
+        # the joiners that pull from the replicas get their links probed in phase 1 (a swap-now switches
+        # as soon as the group is built: no time to probe); every rank is sent the same list
+        pulling = {node for node in plan.joiners if node not in plan.handover.values()}
+        probe = [rank for rank, node in enumerate(owners) if node in pulling] if mode == "agreed" else []
+        links, first = [], 0
+        for member in plan.members:
+            if member in self._links and member != self.cfg.node:
+                links.append([first, first + plan.slots[member], self._links[member]])
+            first += plan.slots[member]
         for local_rank, pid in enumerate(self._group.pids):
             self._channel.send(pid, "prepare", gen=plan.gen, rank=offset + local_rank, world_size=plan.world_size,
                                store_host=plan.store_host, store_port=plan.store_port, mode=mode,
-                               handover=handover)
+                               handover=handover, probe=probe, links=links)
         log.info("%s: generation %d prepared without restart (%s, ranks %d-%d)", self.cfg.node, plan.gen,
                  plan.mode, offset, offset + len(self._group.pids) - 1)
         self._group_gen = plan.gen
@@ -508,12 +519,21 @@ class NodeAgent:
 
     def _measure_links(self, gen: int, switched: dict) -> None:
         """Keep the rate of each link that carried state to this node in the switch into ``gen``:
-        a source rank's bytes over the seconds its last tensor took (``links``), and the leaver's
-        handover (``from_leaver`` over ``handover_s``). Reported in the node record."""
+        phase 1's probe (``probed``), replaced by a source rank's bytes over the seconds its last
+        piece took (``links``), and the leaver's handover (``from_leaver`` over ``handover_s``).
+        Reported in the node record; sent back to the workers in the next ``prepare``."""
         plan = self._plan
         if plan is None or plan.gen != gen:
             return
         owner = plan.rank_owners()
+        probed = switched.get("probed") if isinstance(switched.get("probed"), dict) else {}
+        for rank, rate in probed.items():  # phase 1's probe; what the transfer itself took wins below
+            try:
+                source, rate = owner[int(rank)] if int(rank) >= 0 else "", float(rate)
+            except (IndexError, TypeError, ValueError):
+                continue
+            if rate > 0 and math.isfinite(rate) and source and source != self.cfg.node:
+                self._links[source] = round(rate, 1)
         links = switched.get("links") if isinstance(switched.get("links"), dict) else {}
         for rank, measured in links.items():
             try:

@@ -1,4 +1,4 @@
-"""Tests of the joiner's transfer planner, :mod:`agent.transfer_plan`.
+"""Tests of the joiner's transfer planner, :mod:`tmrun.transfer_plan`.
 
 The greedy plan is checked against an exact solver (a MILP solved by HiGHS, ``highspy``) on the
 same shards, over seeded random instances. Measured: greedy equals the optimum when every link is
@@ -26,7 +26,7 @@ import highspy
 import numpy as np
 import pytest
 
-from agent.transfer_plan import (DEFAULT_RATE, MIN_SHARD, Link, Piece, Tensor, TransferPlan, assign, cut,
+from tmrun.transfer_plan import (DEFAULT_RATE, MIN_SHARD, Link, Piece, Tensor, TransferPlan, assign, cut,
                                  parse_plan, plan_transfer, usable_links)
 
 pytestmark = pytest.mark.timeout(60)

@@ -15,9 +15,11 @@ Worker → agent:
   after a switch; shown by ``tmrun status``, and the agent's hang watchdog feeds on it.
 - ``ready``     {gen}: this worker has built the communicator of generation ``gen``.
 - ``switched``  {gen, step, stall, build, transfer, bytes_received, from_leaver, handover_s,
-  handover_error, build_error, sources, phase1_steps, phase1_step_time, normal_step_time}: this
-  worker trains in ``gen`` from ``step`` on; ``sources`` is how many ranks held the state (a
-  count, so the message does not grow with the job). A leaver sends {gen, step, left, rejoin,
+  handover_error, build_error, sources, phase1_steps, phase1_step_time, normal_step_time,
+  predicted_s, links, probed}: this worker trains in ``gen`` from ``step`` on; ``sources`` is how
+  many ranks held the state. On a receiver, ``links`` is ``{source rank: [bytes, seconds]}`` of
+  the pull, ``probed`` ``{source rank: bytes/s}`` of phase 1's probe, ``predicted_s`` the pull's
+  planned finish (null when a rate it used was not measured): these grow with the sources. A leaver sends {gen, step, left, rejoin,
   bytes_sent, transfer, handover_error} instead, just before it exits (or, with ``rejoin``,
   becomes a standby again in the same process). ``handover_error`` is null, or why the handover
   between leaver and joiner failed or was abandoned (the joiner then took the state from the
@@ -27,10 +29,13 @@ Worker → agent:
 
 Agent → worker:
 
-- ``prepare``   {gen, rank, world_size, store_host, store_port, mode, handover}: build the group
-  of ``gen`` (phase 1). ``mode`` is ``agreed`` (switch at a step boundary all ranks vote for) or
-  ``now`` (the current group is broken: switch as soon as the group is built). ``handover``: this
-  joiner receives its state from the leaver whose rank it takes.
+- ``prepare``   {gen, rank, world_size, store_host, store_port, mode, handover, probe, links}: build
+  the group of ``gen`` (phase 1). ``mode`` is ``agreed`` (switch at a step boundary all ranks vote
+  for) or ``now`` (the current group is broken: switch as soon as the group is built).
+  ``handover``: this joiner receives its state from the leaver whose rank it takes. ``probe``: the
+  ranks (joiners) whose links phase 1 measures, the same list for every rank; ``links``: what
+  this node's agent measured before, ``[[first rank, stop rank, bytes/s], ...]``, one entry per
+  source node (both optional, growing with the joiners and the measured nodes).
 - ``leave``     {gen, rejoin[, store_host, store_port]}: this worker is not part of ``gen``; vote
   for the switch, then exit 0 (``rejoin``: wait as a standby for the next ``prepare`` instead).
   With a store: first build the handover pair with the joiner that takes this rank and, at the
@@ -40,8 +45,8 @@ Agent → worker:
 
 Every message is checked against its schema (:data:`FIELDS`) when it is decoded: a required field
 missing or of the wrong type, or an optional one of the wrong type, is a :class:`ProtocolError`;
-fields not listed are passed through. A line is at most :data:`MAX_LINE` bytes; no message grows
-with the number of ranks (each is well under 4 KiB). Both ends skip a bad line with a warning and
+fields not listed are passed through. A line is at most :data:`MAX_LINE` bytes; only the fields
+said to grow above grow with the job (by nodes or sources, about 30 bytes each). Both ends skip a bad line with a warning and
 keep the connection.
 """
 
@@ -94,6 +99,26 @@ def _mode(value: Any) -> bool:
     return value in ("agreed", "now")
 
 
+def _rate(value: Any) -> bool:
+    return _number(value) and value > 0
+
+
+def _ranks(value: Any) -> bool:
+    return isinstance(value, list) and all(_int(rank) and rank >= 0 for rank in value)
+
+
+def _rate_ranges(value: Any) -> bool:
+    """``[[first rank, stop rank, bytes/s], ...]``: one entry per source node."""
+    return isinstance(value, list) and all(
+        isinstance(item, list) and len(item) == 3 and _int(item[0]) and _int(item[1]) and 0 <= item[0] < item[1]
+        and _rate(item[2]) for item in value)
+
+
+def _rates_by_rank(value: Any) -> bool:
+    """``{"<source rank>": bytes/s}``."""
+    return isinstance(value, dict) and all(key.isdigit() and _rate(rate) for key, rate in value.items())
+
+
 Check = Callable[[Any], bool]
 # type -> (required fields, optional fields), each field with its check
 FIELDS: dict[str, tuple[dict[str, Check], dict[str, Check]]] = {
@@ -106,10 +131,10 @@ FIELDS: dict[str, tuple[dict[str, Check], dict[str, Check]]] = {
                   "from_leaver": _int, "handover_s": _number, "sources": _int, "phase1_steps": _int,
                   "phase1_step_time": _number_or_none, "normal_step_time": _number_or_none, "left": _bool,
                   "rejoin": _bool, "bytes_sent": _int, "handover_error": _str_or_none,
-                  "build_error": _str_or_none}),
+                  "build_error": _str_or_none, "predicted_s": _number_or_none, "probed": _rates_by_rank}),
     "broken": ({"gen": _int, "step": _int, "error": _str}, {}),
     "prepare": ({"gen": _int, "rank": _int, "world_size": _positive, "store_host": _str, "store_port": _positive,
-                 "mode": _mode, "handover": _bool}, {}),
+                 "mode": _mode, "handover": _bool}, {"probe": _ranks, "links": _rate_ranges}),
     "leave": ({"gen": _int}, {"rejoin": _bool, "store_host": _str, "store_port": _positive}),
 }
 assert set(FIELDS) == WORKER_TYPES | AGENT_TYPES

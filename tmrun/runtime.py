@@ -281,7 +281,7 @@ class Run:
         if self.phase is not Phase.PREPARING or pending is None:
             return
         try:
-            self._adopt(pending.spec, pending.wait(self.recover_timeout), time.monotonic(), time.monotonic())
+            self._adopt(pending, pending.wait(self.recover_timeout), time.monotonic(), time.monotonic())
         except (TimeoutError, RuntimeError) as exc:
             self._warn(f"the final state did not reach generation {pending.spec.gen}", exc)
             self._drop_next(pending, "the final state did not reach it")  # the joiner is gone too
@@ -424,7 +424,7 @@ class Run:
         pending = self._next
         assert pending is not None
         try:
-            self._adopt(pending.spec, pending.wait(self.group_timeout), started, started)
+            self._adopt(pending, pending.wait(self.group_timeout), started, started)
         except (TimeoutError, RuntimeError) as exc:  # the old group is gone too: wait for the next generation
             self._warn(f"the switch to generation {pending.spec.gen} failed", exc)
             self._drop_next(pending, f"the switch to generation {pending.spec.gen} failed")
@@ -472,7 +472,7 @@ class Run:
         assert pending is not None and pending.group is not None
         started = time.monotonic()
         try:
-            self._adopt(pending.spec, pending.group, started, started)
+            self._adopt(pending, pending.group, started, started)
         except RuntimeError as exc:  # a peer of the new group failed too: the next step or prepare sorts it out
             self._warn(f"the failover to generation {pending.spec.gen} failed", exc)
             self._drop_next(pending, f"the failover to generation {pending.spec.gen} failed")
@@ -501,7 +501,7 @@ class Run:
                     self._give_up(pending, "its build failed", f"its group was not built: {pending.error}")
                     continue
                 try:
-                    self._adopt(pending.spec, pending.group, started, time.monotonic(), my_step)
+                    self._adopt(pending, pending.group, started, time.monotonic(), my_step)
                     return
                 except RuntimeError as exc:
                     self._warn(f"generation {pending.spec.gen} failed during the state exchange, "
@@ -521,10 +521,11 @@ class Run:
         self.channel.send("broken", gen=pending.spec.gen, step=self.step,
                           error=f"generation {pending.spec.gen}: {error}"[:500])
 
-    def _adopt(self, spec: GroupSpec, group: RealGroup, started: float, built: float,
+    def _adopt(self, pending: NextGroup, group: RealGroup, started: float, built: float,
                my_step: int | None = None) -> None:
+        spec = pending.spec
         result = exchange_state(group, self._tracked, self.step if my_step is None else my_step,
-                                self.group_timeout)
+                                self.group_timeout, rates=pending.rates)
         old = self.group
         self.group = group
         self.identity = dataclasses.replace(self.identity, rank=spec.rank, world_size=spec.world_size,
@@ -533,7 +534,7 @@ class Run:
         self._next = None
         old.close()
         self._phase.move(Phase.ACTIVE, f"switched to generation {spec.gen} at step {self.step}")
-        self._record_switch(spec.gen, started, built, result)
+        self._record_switch(spec.gen, started, built, result, probed=pending.probed)
         leave = self._leave
         if leave is not None and leave.gen > spec.gen:  # received while joining or recovering
             self._phase.move(Phase.LEAVING, f"leave at generation {leave.gen}, received before the switch")
@@ -544,7 +545,8 @@ class Run:
                 self._pair.drop()
                 self._pair = None
 
-    def _record_switch(self, gen: int, started: float, built: float, result: Exchange) -> None:
+    def _record_switch(self, gen: int, started: float, built: float, result: Exchange,
+                       probed: dict[int, float] | None = None) -> None:
         now = time.monotonic()
         handover, self._handover_bytes = self._handover_bytes, 0
         handover_s, self._handover_seconds = self._handover_seconds, 0.0
@@ -554,9 +556,10 @@ class Run:
                   "transfer": round(now - built, 4), "stall": round(now - started, 4),
                   "bytes_received": result.bytes_received + handover, "from_leaver": handover,
                   "handover_s": round(handover_s, 4), "handover_error": handover_error, "build_error": build_error,
-                  "sources": len(result.sources), **self._phase1_step_times(),
+                  "sources": len(result.sources), "predicted_s": result.predicted, **self._phase1_step_times(),
                   # what each source sent this receiver: [bytes, seconds] (its agent keeps the rates)
-                  "links": {str(src): [size, round(seconds, 6)] for src, (size, seconds) in result.links.items()}}
+                  "links": {str(src): [size, round(seconds, 6)] for src, (size, seconds) in result.links.items()},
+                  "probed": {str(src): round(rate, 1) for src, rate in (probed or {}).items()}}  # phase 1's probe, bytes/s
         self.swaps.append(record)
         self._last_progress = 0.0  # the first committed step in the new generation is reported at once
         if self.channel is not None:

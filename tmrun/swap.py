@@ -1,15 +1,18 @@
 """Moving a rank: build the next generation's group, then bring every member to the same state.
 
 Phase 1 (:class:`NextGroup`): the group of the next generation is built in a background thread
-while training goes on (or at once, when there is nothing else to do).
+while training goes on (or at once, when there is nothing else to do); when the agent names
+joiners to probe, it then times each joiner's link from every other rank (:func:`tmrun.pull.probe_links`).
 
 Phase 2 (:func:`exchange_state`), on the new group, at a step boundary every member reached:
 
 1. every rank tells the others its committed step count (a joiner says -1);
 2. the ranks at the highest count are the *sources*; every other rank is a *receiver*;
-3. each tracked tensor ``i`` travels from source ``i mod len(sources)`` to every receiver, all
-   sends and receives in flight at once (striped over the replicas), straight into the
-   receiver's own tensors: nothing is copied on the sources (zero memory overhead);
+3. each receiver pulls every tracked tensor from the sources in shares set by the measured rate
+   of each source's link to it (:mod:`tmrun.pull`: the rates travel in step 1's header, so every
+   rank plans every pull alike; phase 1 probes a joiner's links first), all sends and receives in
+   flight at once, straight into the receiver's own tensors: nothing is copied on the sources
+   (zero memory overhead);
 4. the non-tensor leaves (learning rates, step counters kept as numbers) follow as one JSON blob
    from the first source.
 
@@ -55,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 from tmrun.groups import RealGroup
+from tmrun.pull import probe_links, pull_plans, tags_used, transfer
 
 log = logging.getLogger("tmrun.swap")
 
@@ -90,12 +94,16 @@ class GroupSpec:
     store_port: int
     mode: str  # agreed | now
     handover: bool = False  # a joiner: the leaver whose rank it takes hands its state over
+    probe: tuple[int, ...] = ()  # the joiners whose links phase 1 measures (the same list on every rank)
+    links: tuple[tuple[int, float], ...] = ()  # (source rank, bytes/s) its agent measured before
 
     @classmethod
     def from_message(cls, message: dict[str, Any]) -> "GroupSpec":
+        links = tuple((rank, float(rate)) for first, stop, rate in message.get("links") or ()
+                      for rank in range(int(first), int(stop)))
         return cls(int(message["gen"]), int(message["rank"]), int(message["world_size"]),
                    str(message["store_host"]), int(message["store_port"]), str(message["mode"]),
-                   bool(message.get("handover", False)))
+                   bool(message.get("handover", False)), tuple(int(r) for r in message.get("probe") or ()), links)
 
     @property
     def prefix(self) -> str:
@@ -184,6 +192,8 @@ class NextGroup:
         self.handover = handover  # set: this is the leaver's end of that pair, not a generation's group
         self.group: RealGroup | None = None
         self.error: BaseException | None = None
+        self.probed: dict[int, float] = {}  # phase 1's probe of this rank's links: source rank -> bytes/s
+        self.rates: dict[int, float] = dict(spec.links)  # this rank's links, probed ones replacing its agent's
         self._lock = threading.Lock()
         self._dropped = False
         self._done = threading.Event()
@@ -211,6 +221,13 @@ class NextGroup:
                on_error: Callable[["NextGroup", BaseException], None] | None) -> None:
         try:
             group = connect()
+            if self.spec.probe and self.handover is None:
+                try:
+                    self.probed = probe_links(group, self.spec.probe)
+                    self.rates.update(self.probed)
+                except BaseException:
+                    group.close()
+                    raise
             with self._lock:
                 self.group = group
                 if self._dropped:
@@ -322,14 +339,25 @@ class Exchange:
     # on a receiver: per source rank, (bytes received from it, seconds until its last tensor was in);
     # the seconds are an upper bound (the receives are waited for in the order they were posted)
     links: dict[int, tuple[int, float]] = dataclasses.field(default_factory=dict)
+    predicted: float | None = None  # on a receiver: its plan's finish (s), when every rate it used was measured
 
 
-def exchange_state(group: RealGroup, tracked: dict[str, Any], my_step: int, timeout: float) -> Exchange:
-    """Phase 2 on the new group: agree on the step, then stream state from sources to receivers."""
+def exchange_state(group: RealGroup, tracked: dict[str, Any], my_step: int, timeout: float, *,
+                   rates: dict[int, float] | None = None, pull: str = "planned") -> Exchange:
+    """Phase 2 on the new group: agree on the step, then pull the state from the sources.
+
+    ``rates``: this rank's measured links, ``{source rank: bytes/s}`` (phase 1's probe, or what
+    its agent kept); they travel in the header, so every rank plans every receiver's pull alike
+    (:mod:`tmrun.pull`; ``pull`` picks how).
+    """
     states = {name: obj.state_dict() for name, obj in tracked.items()}
     tensors, leaves = flatten(states)
     leaves = portable(leaves)  # before anything is sent: a leaf JSON cannot carry fails every rank alike
-    header = torch.tensor([my_step, _signature(tensors)], dtype=torch.int64)
+    row = [0] * group.size
+    for src, rate in (rates or {}).items():
+        if 0 <= src < group.size and rate > 0:
+            row[src] = int(min(rate, 2 ** 62))
+    header = torch.tensor([my_step, _signature(tensors), *row], dtype=torch.int64)
     everyone = group.all_gather(header)
     steps = [int(h[0]) for h in everyone]
     top = max(steps)
@@ -340,29 +368,15 @@ def exchange_state(group: RealGroup, tracked: dict[str, Any], my_step: int, time
     _check_signatures([int(h[1]) for h in everyone], sources[0], group.rank)
     receivers = tuple(r for r, s in enumerate(steps) if s != top)
     me = group.rank
-    received = 0
-    links: dict[int, tuple[int, float]] = {}
-    if receivers:
-        works = []
-        started = time.monotonic()
-        for index, (_, tensor) in enumerate(tensors):
-            src = sources[index % len(sources)]
-            for dst in receivers:
-                if me == src:
-                    works.append((None, 0, group.send(tensor, dst, index)))
-                elif me == dst:
-                    size = tensor.numel() * tensor.element_size()
-                    works.append((src, size, group.recv(tensor, src, index)))
-                    received += size
-        for src, size, work in works:
-            work.wait()
-            if src is not None:
-                got, _ = links.get(src, (0, 0.0))
-                links[src] = (got + size, time.monotonic() - started)
-        blob = _leaf_blob(group, leaves, sources[0], receivers, len(tensors))
-        if me in receivers:
-            _load_leaves(tracked, states, blob)
-    return Exchange(top, sources, receivers, received, links)
+    if not receivers:
+        return Exchange(top, sources, receivers, 0)
+    plans = pull_plans([t for _, t in tensors], sources, receivers, [h[2:].tolist() for h in everyone], pull)
+    received, links = transfer(group, [t for _, t in tensors], plans)
+    blob = _leaf_blob(group, leaves, sources[0], receivers, tags_used(plans))
+    if me in receivers:
+        _load_leaves(tracked, states, blob)
+    predicted = next((plan.predicted for plan in plans if plan.receiver == me), None)
+    return Exchange(top, sources, receivers, received, links, predicted)
 
 
 def _check_signatures(signatures: list[int], reference: int, me: int) -> None:
@@ -424,7 +438,7 @@ def hand_over(group: RealGroup, tracked: dict[str, Any], step: int) -> int:
     tensors, leaves = flatten({name: obj.state_dict() for name, obj in tracked.items()})
     leaves = portable(leaves)
     group.send(torch.tensor([step, _signature(tensors)], dtype=torch.int64), joiner, 0).wait()
-    works = [group.send(tensor, joiner, index + 1) for index, (_, tensor) in enumerate(tensors)]
+    works = [group.send(tensor.contiguous(), joiner, index + 1) for index, (_, tensor) in enumerate(tensors)]
     for work in works:
         work.wait()
     _leaf_blob(group, leaves, Handover.LEAVER, (joiner,), len(tensors) + 1)
@@ -486,7 +500,7 @@ class TakeOver:
             if int(header[1]) != _signature(tensors):
                 raise RuntimeError("the leaver's tracked state differs in parameter names, shapes or dtypes "
                                    "from the joiner's")
-            staged = [torch.empty_like(tensor) for _, tensor in tensors]
+            staged = [torch.empty_like(tensor, memory_format=torch.contiguous_format) for _, tensor in tensors]
             works = [group.recv(buffer, leaver, index + 1) for index, buffer in enumerate(staged)]
             self.receiving.set()
             for work in works:
