@@ -10,11 +10,9 @@ on the way): what the agent last heard from its workers and what it saw of the j
 writes to etcd or waits on it; a scrape never holds up the agent's loop (the server runs in a
 thread of its own, prometheus_client's).
 
-Link rates are measured passively: when this node's workers receive state in a switch, each
-source's bytes over the time its last tensor took to arrive (``tmrun_link_rate_bytes_per_second``
-with the source node as a label; the latest measurement per source). No probe measures a link
-that has not carried state yet, and the planner of a joiner's transfer
-(``agent/transfer_plan.py``) does not read these yet.
+Link rates (``tmrun_link_rate_bytes_per_second`` with the source node as a label; the latest
+measurement per source): phase 1's probe when this node joined, and, when its workers receive
+state in a switch, each source's bytes over the time its last piece took to arrive.
 """
 
 from __future__ import annotations

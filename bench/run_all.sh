@@ -1,7 +1,7 @@
 #!/bin/bash
 # Every benchmark, one after the other, with the settings docs/benchmarks.md reports.
 # Each takes the lock, so that nothing else this repository starts competes for the cores.
-# Usage: bash bench/run_all.sh   (about 70 minutes on 2 cores; results in bench/results, plots in docs/bench)
+# Usage: bash bench/run_all.sh   (about 75 minutes on 2 cores; results in bench/results, plots in docs/bench)
 set -u
 cd "$(dirname "$0")/.."
 run() { echo "== python bench/$*"; flock /tmp/tmrun-bench.lock python "bench/$@" || echo "!! bench/$1 failed"; }
@@ -13,5 +13,6 @@ run control_plane.py
 run rebalancing.py --size 5M --period 30 --rounds 4
 run etcd_failure.py
 run elastic.py
+run pull.py
 echo "== python -m bench.control_plane_scale"
 flock /tmp/tmrun-bench.lock python -m bench.control_plane_scale || echo "!! bench.control_plane_scale failed"

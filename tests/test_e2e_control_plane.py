@@ -12,7 +12,6 @@ a warning: status and drain answer, the job ends as it should, and no traceback 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import re

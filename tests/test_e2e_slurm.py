@@ -295,7 +295,7 @@ def test_etcd_member_losses_cost_no_step(slurm, runtime_reference):
     # 1. node 0's member is SIGKILLed: its agent starts it again from its data directory
     first = etcd_pid(slurm, "node1")
     os.kill(first, signal.SIGKILL)
-    wait_for(lambda: f"tmrun-node1 is back" in slurm.output(job_id), 60, "node1's member back")
+    wait_for(lambda: "tmrun-node1 is back" in slurm.output(job_id), 60, "node1's member back")
     assert etcd_pid(slurm, "node1") != first
 
     # 2. the node hosting another member is drained: the standby takes its place, and the

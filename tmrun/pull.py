@@ -33,6 +33,8 @@ from tmrun.transfer_plan import Link, Tensor, plan_transfer
 
 PROBE_BYTES = 1 << 20
 """Bytes a joiner receives from each source in phase 1's probe."""
+PINGS = 3
+"""8-byte round trips a probe times before its ``PROBE_BYTES``: the quickest is the round trip."""
 PROBE_TAG = 1 << 30
 """The probe's tags: far above any tensor tag of an exchange."""
 PULLS = ("planned", "striped", "single")
@@ -61,9 +63,11 @@ def probe_links(group: RealGroup, receivers: Sequence[int], nbytes: int = PROBE_
     """Phase 1's probe: on a receiver, ``{source rank: bytes/s}`` for every rank not in
     ``receivers``; on every other rank, ``{}`` once it answered each receiver.
 
-    A receiver asks one source at a time (the others do not share its link meanwhile), twice:
-    for 8 bytes, then for ``nbytes``; the rate is ``nbytes`` over the difference, so the round
-    trip and the wake-ups cancel out. Every rank must call this with the same ``receivers``.
+    A receiver asks one source at a time (the others do not share its link meanwhile): for 8
+    bytes, ``PINGS`` times, then for ``nbytes``; the rate is ``nbytes`` over the difference to the
+    quickest ping, so the round trip cancels out (a single ping is too noisy: on a fresh
+    connection one took 5 ms where the quickest took 0.3). Every rank must call this with the
+    same ``receivers``.
     """
     me = group.rank
     sources = [rank for rank in range(group.size) if rank not in receivers]
@@ -73,15 +77,15 @@ def probe_links(group: RealGroup, receivers: Sequence[int], nbytes: int = PROBE_
     if me in receivers:
         for src in sources:
             took = []
-            for payload in (small, big):
+            for payload in (small,) * PINGS + (big,):
                 started = time.perf_counter()
                 group.send(ask, src, PROBE_TAG).wait()
                 group.recv(payload, src, PROBE_TAG + 1).wait()
                 took.append(time.perf_counter() - started)
-            rates[src] = big.numel() / max(took[1] - took[0], 1e-6)
+            rates[src] = big.numel() / max(took[-1] - min(took[:-1]), 1e-6)
     else:
         for dst in receivers:
-            for payload in (small, big):
+            for payload in (small,) * PINGS + (big,):
                 group.recv(ask, dst, PROBE_TAG).wait()
                 group.send(payload, dst, PROBE_TAG + 1).wait()
     return rates
