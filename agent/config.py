@@ -73,6 +73,9 @@ class Timeouts:
     - ``outage``: the control-plane outage bound. An agent that cannot reach etcd keeps its
       workers training and keeps trying; after this long without a successful lease refresh it
       stops them cleanly (SIGTERM, ``stop_grace``, SIGKILL) and exits 3. 0: never.
+    - ``link_check``: every this many seconds an agent checks its link to every member (a TCP
+      handshake with each member's agent, agent/links.py); two misses in a row mark the link
+      down, and the leader takes one end out of the job. 0 turns the checks off.
     """
 
     join: float = 600.0
@@ -85,6 +88,7 @@ class Timeouts:
     collective: float = 120.0
     progress: float = 300.0
     outage: float = 900.0
+    link_check: float = 1.0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -213,6 +217,7 @@ _TIMEOUT_KEYS = {
     "collective_timeout": "collective",
     "progress_timeout": "progress",
     "etcd_outage_timeout": "outage",
+    "link_check": "link_check",
 }
 KNOWN_RDZV_CONF = frozenset(_TIMEOUT_KEYS) | {"timeout", "read_timeout", "is_host"}
 

@@ -71,7 +71,8 @@ def read_cluster(keys: JobKeys, entries: dict[str, Entry], parsed: dict[str, tup
                 warn_skipped(key, entry.mod_revision, f"the record names node {rec.node!r}")
             elif rec is not None:
                 nodes[rec.node] = NodeView(rec.node, entry.create_revision, rec.slots, rec.standby_hint, run,
-                                           entry.mod_revision)
+                                           entry.mod_revision, frozenset(rec.unreachable),
+                                           f"{rec.host}:{rec.link_port}" if rec.link_port else "")
         elif rel.startswith("requests/"):
             req = parse(Request, entry)
             if req is not None and req.state == "pending":
@@ -246,7 +247,8 @@ class Leader:
                             decision.restarts, decision.in_place_restarts, out, self._wall(),
                             decision.hot, decision.mode, decision.joiners, dict(decision.handover),
                             decision.requested or (plan.requested if plan and decision.action is Action.AMEND
-                                                   else self._wall()), decision.hot_swaps)
+                                                   else self._wall()), decision.hot_swaps,
+                            {m: cluster.nodes[m].link_at for m in decision.members if cluster.nodes[m].link_at})
             written.append(self._keys.plan)
             if not await self._store.replace(self._keys.plan, new_plan.to_dict(),
                                              mod_revision=plan_entry.mod_revision if plan_entry else 0):

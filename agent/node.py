@@ -56,9 +56,10 @@ from agent.etcd_member import MemberHost
 from agent.errors import ConfigError, ControlPlaneLost, LeaseNotFound, StoreError
 from agent.keys import JobKeys
 from agent.leader import Leader
+from agent.links import LinkChecker, LinkListener
 from agent.metrics import MetricsServer, Snapshot
 from agent.output import OutputRouter
-from agent.records import NodeRecord, Outcome, Plan, RunState, parse
+from agent.records import REJOINS, NodeRecord, Outcome, Plan, RunState, parse
 from agent.roles import Role, Roles
 from agent.store import Entry, Store
 from agent.worker_env import worker_env
@@ -110,6 +111,8 @@ class NodeAgent:
         self._bytes_received = 0  # state received by this node's joiners, over all switches (metrics)
         self._bytes_sent = 0  # state handed over by this node's leavers (metrics)
         self._links: dict[str, float] = {}  # source node -> bytes/s of the last state it sent here
+        self._link_listener = LinkListener()  # answers the other agents' link checks
+        self._unreachable: frozenset[str] = frozenset()  # members this agent's link checks cannot reach
         self._metrics: MetricsServer | None = None
         self._role = Roles(lambda message: log.error("%s: role %s", cfg.node, message))
         self._shadow_failed = False
@@ -135,6 +138,7 @@ class NodeAgent:
         try:
             await self._clear_finished_job()
             self._serve_metrics()
+            await self._listen_for_link_checks()
             self._lease = await self._store.grant_lease(self.cfg.timeouts.lease_ttl)
             if not await self._store.create(self._keys.node(self.cfg.node), self._record().to_dict(), lease=self._lease):
                 raise ConfigError(f"node name {self.cfg.node!r} is already in use in job {self.cfg.job_id}")
@@ -145,7 +149,8 @@ class NodeAgent:
                      self.cfg.worker.nproc_per_node)
             self._leader = Leader(self.cfg, self._store, self._lease, self._changes)
             background = [asyncio.ensure_future(self._keepalive()), asyncio.ensure_future(self._leader.run()),
-                          asyncio.ensure_future(self._watchdog()), *self._extra_tasks()]
+                          asyncio.ensure_future(self._watchdog()), asyncio.ensure_future(self._check_links()),
+                          *self._extra_tasks()]
             return await self._follow(background)
         except ControlPlaneLost as exc:
             log.error("%s: %s; stopping the workers (SIGTERM, then SIGKILL after %.0f s) and leaving",
@@ -174,6 +179,7 @@ class NodeAgent:
                 except (StoreError, asyncio.TimeoutError):
                     pass
             await self._store.close()
+            await self._link_listener.close()
             if self._metrics is not None:
                 self._metrics.close()
             if self._own_log_root:
@@ -190,6 +196,40 @@ class NodeAgent:
             raise ConfigError(f"cannot serve metrics on {self.cfg.host}:{port} (--metrics-port): "
                               f"{exc.strerror or exc}") from None
         log.info("%s serves metrics at http://%s/metrics", self.cfg.node, self._metrics.address)
+
+    async def _listen_for_link_checks(self) -> None:
+        """Answer the other agents' link checks on this node's address (none when ``link_check=0``)."""
+        if not self.cfg.timeouts.link_check:
+            return
+        try:
+            port = await self._link_listener.start(self.cfg.host)
+        except OSError as exc:
+            log.warning("%s: cannot answer link checks on %s (%s); the other nodes will not check their link "
+                        "to this one", self.cfg.node, self.cfg.host, exc.strerror or exc)
+            return
+        log.debug("%s answers link checks on port %d", self.cfg.node, port)
+
+    async def _check_links(self) -> None:
+        """Every ``link_check`` seconds, connect to every member's agent (agent/links.py); a change in
+        who is unreachable is reported at once, and the leader takes a cut-off member out."""
+        interval = self.cfg.timeouts.link_check
+        if not interval:
+            return
+        checker = LinkChecker(timeout=min(1.0, interval))
+        while True:
+            plan = self._plan
+            peers = {m: at for m, at in plan.link_at.items() if m != self.cfg.node} if plan is not None else {}
+            started = time.monotonic()
+            unreachable = await checker.check(peers)
+            if unreachable != self._unreachable:
+                lost, back = sorted(unreachable - self._unreachable), sorted(self._unreachable - unreachable)
+                if lost:
+                    log.warning("%s: cannot reach %s (link checks missed twice)", self.cfg.node, ", ".join(lost))
+                if back:
+                    log.info("%s: reaches %s again", self.cfg.node, ", ".join(back))
+                self._unreachable = unreachable
+                self._dirty.set()
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
 
     def _snapshot(self) -> Snapshot:
         """What the metrics show now (called from the metrics server's thread: reads, never writes)."""
@@ -374,9 +414,9 @@ class NodeAgent:
             log.info("%s was drained: leaving the job", node)
             return True
         if why is not None:
-            if not (why == "rejoining" and role is Role.SHADOW):  # a rejoined standby keeps its shadow workers
+            if not (why in REJOINS and role is Role.SHADOW):  # a rejoined standby keeps its shadow workers
                 await self._stop_workers(f"out of generation {plan.gen} ({why})")
-            if why != "rejoining":
+            if why not in REJOINS:
                 if self._run.state != "idle":
                     await self._report(RunState(plan.gen, "idle", at=time.time()))
                 return False
@@ -651,7 +691,7 @@ class NodeAgent:
         cfg = self.cfg
         return NodeRecord(cfg.node, cfg.host, os.getpid(), cfg.worker.nproc_per_node, cfg.standby_hint,
                           self._joined_at, self._run.to_dict(), self._metrics.address if self._metrics else "",
-                          dict(self._links))
+                          dict(self._links), self._link_listener.port, tuple(sorted(self._unreachable)))
 
     async def _watchdog(self) -> None:
         """Kill this node's runtime workers when they are hung: they committed no step for

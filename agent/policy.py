@@ -72,6 +72,8 @@ class NodeView:
     standby_hint: bool = False
     run: RunState = RunState()
     report_revision: int = 0  # mod revision of its key: when it last reported
+    unreachable: frozenset[str] = frozenset()  # nodes its agent's link checks cannot reach now
+    link_at: str = ""  # host:port where its agent answers link checks ("" when it does not)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +176,9 @@ def decide(cluster: Cluster, limits: Limits, clock: Clock) -> Decision:
     failure = _on_failure(cluster, plan, limits, clock)
     if failure is not None:
         return failure
+    cut = _on_link_cut(cluster, plan, limits, clock)
+    if cut is not None:
+        return cut
     if cluster.requests:
         if swap_in_progress(cluster, plan):
             return Decision(Action.WAIT, f"drain of {cluster.requests[0].node} waits: generation {plan.gen}'s "
@@ -200,11 +205,49 @@ def decide(cluster: Cluster, limits: Limits, clock: Clock) -> Decision:
 
 
 def _growth(cluster: Cluster, plan: Plan, limits: Limits) -> list[str]:
-    """Pool nodes that grow an elastic job: those that joined as regular nodes; with ``--grow``,
-    standbys and nodes that rejoined the pool too."""
+    """Pool nodes that grow an elastic job: those that joined as regular nodes, and those taken out
+    for a cut link once it is back; with ``--grow``, standbys and nodes that rejoined the pool too."""
     if limits.grow:
         return _pool(cluster, plan)
-    return [n for n in _pool(cluster, plan) if not cluster.nodes[n].standby_hint and n not in plan.out]
+    return [n for n in _pool(cluster, plan)
+            if (not cluster.nodes[n].standby_hint and n not in plan.out) or plan.out.get(n) == "link"]
+
+
+def cut_links(cluster: Cluster, plan: Plan) -> list[tuple[str, str]]:
+    """Pairs of members whose link is down (either end's agent cannot reach the other), by rank."""
+    rank = {m: i for i, m in enumerate(plan.members)}
+    pairs = set()
+    for member in plan.members:
+        view = cluster.nodes.get(member)
+        for other in view.unreachable if view is not None else ():
+            if other in rank and other != member:
+                pairs.add(tuple(sorted((member, other), key=rank.__getitem__)))
+    return sorted(pairs, key=lambda pair: (rank[pair[0]], rank[pair[1]]))
+
+
+def _on_link_cut(cluster: Cluster, plan: Plan, limits: Limits, clock: Clock) -> Decision | None:
+    """Members that cannot reach each other: the node in most cut pairs leaves like a failure
+    (ties: the higher rank), again until no pair is left; a standby takes its place, or an elastic
+    job shrinks. Its agent keeps checking: once its links are back it is a standby again."""
+    pairs = cut_links(cluster, plan)
+    if not pairs:
+        return None
+    culprits: dict[str, str] = {}
+    while pairs:
+        count: dict[str, int] = {}
+        for a, b in pairs:
+            count[a] = count.get(a, 0) + 1
+            count[b] = count.get(b, 0) + 1
+        culprit = max(count, key=lambda m: (count[m], plan.members.index(m)))
+        peers = [a if b == culprit else b for a, b in pairs if culprit in (a, b)]
+        culprits[culprit] = f"{culprit}'s link to {', '.join(peers)} is down"
+        pairs = [pair for pair in pairs if culprit not in pair]
+    decision = _replace(cluster, plan, limits, clock, list(culprits), [], links=culprits)
+    if decision.action is Action.START:
+        return decision
+    what = "; ".join(culprits.values())
+    return Decision(Action.WAIT, f"{what}: no standby and the job is at its minimum size; waiting for the link "
+                    "to come back or a node to join (a collective that times out fails the job's step meanwhile)")
 
 
 def _rendezvous(cluster: Cluster, limits: Limits, clock: Clock) -> Decision:
@@ -292,7 +335,10 @@ def _on_failure(cluster: Cluster, plan: Plan, limits: Limits, clock: Clock) -> D
 
 
 def _replace(cluster: Cluster, plan: Plan, limits: Limits, clock: Clock,
-             culprits: list[str], lost: list[str]) -> Decision:
+             culprits: list[str], lost: list[str], links: Mapping[str, str] | None = None) -> Decision:
+    """``culprits`` leave: a standby takes each one's place, or the job shrinks, or (a failed
+    worker) it restarts in place. ``links``: culprits taken out for a cut link, with why."""
+    links = links or {}
     members = list(plan.members)
     out = dict(plan.out)
     pool = _pool(cluster, plan)
@@ -300,8 +346,9 @@ def _replace(cluster: Cluster, plan: Plan, limits: Limits, clock: Clock,
     in_place: list[str] = []
     shrunk = False
     for culprit in culprits:
-        cause = "lost" if culprit in lost else "failed"
-        what = f"{culprit} {'was lost' if cause == 'lost' else _describe(cluster, culprit)}"
+        cause = "link" if culprit in links else "lost" if culprit in lost else "failed"
+        what = links[culprit] if cause == "link" else \
+            f"{culprit} {'was lost' if cause == 'lost' else _describe(cluster, culprit)}"
         if pool:
             joiner = pool.pop(0)
             members[members.index(culprit)] = joiner
@@ -312,6 +359,8 @@ def _replace(cluster: Cluster, plan: Plan, limits: Limits, clock: Clock,
             out[culprit] = cause
             notes.append(f"{what}; no standby, the job shrinks to {len(members)} nodes")
             shrunk = True
+        elif cause == "link":
+            return Decision(Action.WAIT, what)  # the caller says why nothing can be done
         elif cause == "lost":
             since = clock.failure_since if clock.failure_since is not None else clock.now
             if clock.now >= since + limits.join_timeout:
@@ -334,7 +383,7 @@ def _replace(cluster: Cluster, plan: Plan, limits: Limits, clock: Clock,
     how = (" (hot swap)" if joiners else "") + (" (no restart)" if swap and shrunk else "")
     return Decision(Action.START, "; ".join(notes) + how, members=tuple(members),
                     out=out, restarts=plan.restarts + (0 if swap else 1), in_place_restarts=in_place_restarts,
-                    hot_swaps=plan.hot_swaps + (1 if swap else 0), kind="failure",
+                    hot_swaps=plan.hot_swaps + (1 if swap else 0), kind="link" if links else "failure",
                     hot=plan.hot, mode="swap-now" if swap else "restart", joiners=joiners,
                     requested=min(reported) if reported else 0.0)
 
@@ -394,10 +443,13 @@ def _eligible(cluster: Cluster) -> list[NodeView]:
 
 
 def _pool(cluster: Cluster, plan: Plan) -> list[str]:
-    """Standbys in join order: alive, not training, not out (a rejoining node once it stopped training)."""
+    """Standbys in join order: alive, not training, not out (a rejoining node once it stopped
+    training), and with a working link to every member (as the checks of both ends see it)."""
     members = set(plan.members)  # a set: 1,000 nodes against 1,000 members
+    cut_off = set().union(*(cluster.nodes[m].unreachable for m in members if m in cluster.nodes))
     nodes = [n for n in cluster.nodes.values()
-             if n.name not in members and (n.name not in plan.out or plan.rejoined(n.name, n.run))]
+             if n.name not in members and (n.name not in plan.out or plan.rejoined(n.name, n.run))
+             and n.name not in cut_off and not n.unreachable & members]
     return [n.name for n in sorted(nodes, key=lambda n: n.order)]
 
 

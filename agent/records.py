@@ -185,6 +185,8 @@ class NodeRecord(Record):
     metrics: str = ""  # host:port of the agent's Prometheus metrics (--metrics-port), or ""
     # measured link rates into this node: source node -> bytes/s of the last state it sent here
     links: dict[str, float] = dataclasses.field(default_factory=dict)
+    link_port: int = 0  # where the agent accepts other agents' link checks (0: none)
+    unreachable: tuple[str, ...] = ()  # members this agent's link checks cannot reach now
 
     @property
     def run_state(self) -> RunState:
@@ -193,17 +195,24 @@ class NodeRecord(Record):
     def _check(self) -> None:
         if self.slots < 1:
             raise RecordError(f"NodeRecord.slots: {self.slots} is not a positive number of workers")
+        if not 0 <= self.link_port < 65536:
+            raise RecordError(f"NodeRecord.link_port: {self.link_port} is not a port")
         bad = [source for source, rate in self.links.items() if not rate >= 0]
         if bad:
             raise RecordError(f"NodeRecord.links: the rate from {bad[0]!r} is not a number of bytes/s >= 0")
         self.run_state  # noqa: B018  (raises RecordError when ``run`` is not a RunState)
 
 
+REJOINS = ("rejoining", "link")
+"""``Plan.out`` reasons after which the node waits in the pool as a standby."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan(Record):
     """One generation: who trains, in which order (group rank = index), and where the store is.
 
-    ``out`` maps nodes that left the job to why (``drained``, ``failed``, ``lost``).
+    ``out`` maps nodes that left the job to why (``drained``, ``rejoining``, ``failed``, ``lost``,
+    ``link``: taken out because a link between it and another member was cut).
     ``hot``: every member runs the tmrun runtime, so standbys shadow-train and a node can be
     swapped without restarting the others. ``mode`` says how members reach this generation:
     ``restart`` (new workers everywhere), ``swap-agreed`` (a planned swap: the running workers
@@ -232,15 +241,16 @@ class Plan(Record):
     handover: dict[str, str] = dataclasses.field(default_factory=dict)  # leaver -> the joiner it hands over to
     requested: float = 0.0  # wall time of the request or failure report that led to this generation
     hot_swaps: int = 0
+    link_at: dict[str, str] = dataclasses.field(default_factory=dict)  # member -> host:port of its link checks
 
     @property
     def world_size(self) -> int:
         return sum(self.slots[m] for m in self.members)
 
     def rejoined(self, node: str, run: RunState) -> bool:
-        """``node`` gave up its place with ``drain --rejoin`` and is a standby again (its workers stopped
-        training: idle, or waiting warm as shadow workers)."""
-        return self.out.get(node) == "rejoining" and node not in self.members and run.state in ("idle", "shadow")
+        """``node`` gave up its place with ``drain --rejoin``, or was taken out for a cut link, and is
+        a standby again (its workers stopped training: idle, or waiting warm as shadow workers)."""
+        return self.out.get(node) in REJOINS and node not in self.members and run.state in ("idle", "shadow")
 
     def rank_owners(self) -> list[str]:
         """The member holding each group rank (index: the rank), in one pass over the members."""

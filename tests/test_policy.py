@@ -651,6 +651,71 @@ def test_growth_and_drains_wait_while_the_survivors_of_a_shrink_have_not_switche
     assert got.action is Action.START and got.members == ("a", "c", "d") and got.joiners == ("d",)
 
 
+# -- link events: members whose agents cannot reach each other ----------------------------------
+
+
+def cut(view: NodeView, *unreachable: str) -> NodeView:
+    """``view`` whose agent's link checks miss ``unreachable``."""
+    return dataclasses.replace(view, unreachable=frozenset(unreachable))
+
+
+LINKS = [
+    Case("a-cut-pair-the-higher-rank-leaves-and-a-standby-takes-its-place",
+         cluster(running("a", 1), cut(running("b", 2), "c"), cut(running("c", 3), "b"), node("s", 4, state="shadow"),
+                 plan=HOT_ABC), FIXED3, T0, Action.START, members=("a", "b", "s"), out={"c": "link"}, restarts=0,
+         hot_swaps=1, reason_has=("c's link to b is down", "s takes its place", "hot swap")),
+    Case("one-end-seeing-the-cut-is-enough",
+         cluster(running("a", 1), cut(running("b", 2), "c"), running("c", 3), node("s", 4, state="shadow"),
+                 plan=HOT_ABC), FIXED3, T0, Action.START, members=("a", "b", "s"), out={"c": "link"}),
+    Case("the-node-in-most-cut-pairs-leaves",
+         cluster(cut(running("a", 1), "b"), cut(running("b", 2), "a", "c"), cut(running("c", 3), "b"),
+                 node("s", 4, state="shadow"), plan=HOT_ABC), FIXED3, T0, Action.START, members=("a", "s", "c"),
+         out={"b": "link"}, reason_has=("b's link to a, c is down",)),
+    Case("an-elastic-job-without-a-standby-shrinks",
+         cluster(running("a", 1), cut(running("b", 2), "c"), cut(running("c", 3), "b"), plan=HOT_ABC),
+         ELASTIC_1_3, T0, Action.START, members=("a", "b"), out={"c": "link"}, restarts=0,
+         reason_has=("shrinks to 2", "no restart")),
+    Case("at-the-minimum-without-a-standby-it-waits",
+         cluster(running("a", 1), cut(running("b", 2), "c"), cut(running("c", 3), "b"), plan=HOT_ABC),
+         FIXED3, T0, Action.WAIT, reason_has=("c's link to b is down", "no standby", "minimum")),
+    Case("a-standby-cut-off-from-a-member-is-passed-over",
+         cluster(running("a", 1), cut(running("b", 2), "c"), running("c", 3), cut(node("s", 4, state="shadow"), "a"),
+                 node("t", 5, state="shadow"), plan=HOT_ABC), FIXED3, T0, Action.START, members=("a", "b", "t")),
+    Case("a-standby-a-member-cannot-reach-is-passed-over",
+         cluster(running("a", 1), cut(running("b", 2), "c", "s"), running("c", 3), node("s", 4, state="shadow"),
+                 node("t", 5, state="shadow"), plan=HOT_ABC), FIXED3, T0, Action.START, members=("a", "b", "t")),
+    Case("a-job-without-the-runtime-restarts-without-the-node",
+         cluster(running("a", 1), cut(running("b", 2), "c"), running("c", 3), node("s", 4), plan=ABC),
+         FIXED3, T0, Action.START, members=("a", "b", "s"), out={"c": "link"}, restarts=1),
+    Case("a-failure-comes-first",
+         cluster(failed("a", 1, -9), cut(running("b", 2), "c"), running("c", 3), node("s", 4, state="shadow"),
+                 plan=HOT_ABC), FIXED3, T0, Action.START, members=("s", "b", "c"), out={"a": "failed"}),
+    Case("its-links-back-the-node-grows-the-elastic-job-again",
+         cluster(running("a", 2, gen=2), running("b", 3, gen=2), node("c", 4, gen=2, state="idle"),
+                 plan=hot_plan(("a", "b"), gen=2, out={"c": "link"})),
+         ELASTIC_1_3, T0, Action.START, members=("a", "b", "c"), reason_has=("scale-up",)),
+    Case("while-its-link-is-down-it-stays-out",
+         cluster(running("a", 2, gen=2), cut(running("b", 3, gen=2), "c"), cut(node("c", 4, gen=2, state="idle"), "b"),
+                 plan=hot_plan(("a", "b"), gen=2, out={"c": "link"})),
+         ELASTIC_1_3, T0, Action.WAIT),
+    Case("its-links-back-it-is-a-standby-of-a-fixed-job",
+         cluster(running("a", 1, gen=2), failed("b", 2, -9, gen=2), running("s", 3, gen=2),
+                 node("c", 4, gen=2, state="shadow"), plan=hot_plan(("a", "b", "s"), gen=2, out={"c": "link"})),
+         FIXED3, T0, Action.START, members=("a", "c", "s"), reason_has=("c takes its place",)),
+]
+
+
+@pytest.mark.parametrize("case", LINKS, ids=[c.id for c in LINKS])
+def test_a_member_with_a_cut_link_leaves_like_a_failure(case: Case) -> None:
+    check(case, decide(case.cluster, case.limits, case.clock))
+
+
+def test_a_link_event_is_a_swap_now_of_kind_link() -> None:
+    got = decide(cluster(running("a", 1), cut(running("b", 2), "c"), running("c", 3), node("s", 4, state="shadow"),
+                         plan=HOT_ABC), FIXED3, T0)
+    assert (got.mode, got.joiners, got.kind) == ("swap-now", ("s",), "link")
+
+
 # -- the end of the job: a failure after the last step is the job's failure --------------------
 
 
