@@ -165,7 +165,7 @@ class SlurmCluster:
         self.up_log = ""
         self._workdirs: list[Path] = []
         self._job_outputs: dict[int, Path] = {}
-        self._blocks: dict[tuple[str, int, bool], list[tuple[str, str, int]]] = {}
+        self._blocks: dict[tuple[str, int | str, bool], list[tuple[str, str, int]]] = {}
         self._prefs = itertools.count(100)
         self._started: set[int] = set()  # daemons up.sh started, for the final check
 
@@ -511,6 +511,26 @@ class SlurmCluster:
                          "action", "mirred", "egress", "redirect", "dev", BLACKHOLE)
                 added.append((dev, hook, pref))
         self._blocks[key] = added
+
+    def cut_link(self, a: str, b: str) -> None:
+        """Drop every IPv4 packet between nodes ``a`` and ``b`` (each end's ``eth0`` egress to the
+        other's address); their links to everyone else stay up."""
+        for node, peer in ((a, b), (b, a)):
+            key = (self._check(node), f"to {self.ip(peer)}", False)
+            if key in self._blocks:
+                continue
+            self._prepare_blocking(node)
+            pref = next(self._prefs)
+            self._tc(node, "filter", "add", "dev", "eth0", "egress", "protocol", "ip", "pref", str(pref), "u32",
+                     "match", "ip", "dst", f"{self.ip(peer)}/32", "action", "mirred", "egress", "redirect",
+                     "dev", BLACKHOLE)
+            self._blocks[key] = [("eth0", "egress", pref)]
+
+    def restore_link(self, a: str, b: str) -> None:
+        """Undo :meth:`cut_link`."""
+        for node, peer in ((a, b), (b, a)):
+            for dev, hook, pref in self._blocks.pop((self._check(node), f"to {self.ip(peer)}", False), []):
+                self._tc(node, "filter", "del", "dev", dev, hook, "pref", str(pref))
 
     def unblock_port(self, node: str, port: int, *, inbound: bool = False) -> None:
         """Undo :meth:`block_port` with the same arguments."""

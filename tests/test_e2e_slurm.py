@@ -136,10 +136,11 @@ def wait_steps(slurm: SlurmCluster, job_id: int, step: int, timeout: float) -> N
     wait_for(lambda: last_step(slurm.output(job_id)) >= step, timeout, f"step {step} committed")
 
 
-def start_runtime_job(slurm: SlurmCluster, prefix: str, steps: int = STEPS) -> tuple[Path, int, JobRef, dict]:
+def start_runtime_job(slurm: SlurmCluster, prefix: str, steps: int = STEPS,
+                      conf: str = FAST) -> tuple[Path, int, JobRef, dict]:
     """runtime_job.py submitted, training warm (a standby shadow-trains, 30 steps done): the status."""
     workdir = slurm.workdir(prefix)
-    job_id = submit_runtime_job(slurm, workdir, steps)
+    job_id = submit_runtime_job(slurm, workdir, steps, conf=conf)
     ref, _ = wait_hot(slurm, job_id)
     wait_steps(slurm, job_id, 30, 120)
     return workdir, job_id, ref, wait_status(ref, lambda d: True, 10)
@@ -381,4 +382,48 @@ def test_a_node_cut_off_from_etcd_is_fenced_out(slurm, runtime_reference):
 def ranks_of(doc: dict) -> dict[str, int]:
     return {n["node"]: n["ranks"][0] for n in doc["nodes"] if n["role"] == "active"}
 
+
+
+
+# ----------------------------------------------------------------------------- the links
+
+
+@pytest.mark.timeout(600)
+def test_a_cut_link_takes_one_end_out_and_the_node_is_used_again_once_it_is_back(slurm, runtime_reference):
+    """The link between two members is cut (tc, both ways; both keep every other link): the agents'
+    link checks miss, the leader takes the higher rank's node out like a failure and the standby
+    takes its place; nobody else restarts. With the link back, that node is a standby again, and a
+    drain swaps it in."""
+    workdir, job_id, ref, doc = start_runtime_job(slurm, "link-cut-", conf=FAST + ",collective_timeout=5")
+    ranks = ranks_of(doc)
+    by_rank = {rank: node for node, rank in ranks.items()}
+    keep, victim = by_rank[1], by_rank[2]
+    standby = next(n["node"] for n in doc["nodes"] if n["role"] == "standby")
+
+    slurm.cut_link(keep, victim)
+    try:
+        after = wait_status(ref, lambda d: d["generation"] >= 2 and d["state"] == "running"
+                            and all(n["state"] == "running" for n in d["nodes"] if n["role"] == "active"), 90)
+        roles = {n["node"]: n["role"] for n in after["nodes"]}
+        assert roles[victim] == "cut-off" and roles[standby] == "active", after
+        assert after["mode"] == "swap-now" and after["restarts"] == 0 and after["hot_swaps"] == 1, after
+        cut = [r for r in wait_events(ref, lambda rows: any(r["kind"] == "link" for r in rows), 30)
+               if r["kind"] == "link"]
+        assert f"{victim}'s link to {keep} is down" in cut[0]["text"], cut
+        print(f"link event: decision {cut[0].get('data', {}).get('decision_ms')} ms")
+        mark = last_step(slurm.output(job_id))
+        wait_steps(slurm, job_id, mark + 30, 60)  # the new generation trains while the link is still down
+        assert any(n["node"] == victim and keep in n["unreachable"] for n in wait_status(ref, lambda d: True, 10)
+                   ["nodes"]), "the cut-off node's agent still misses the link"
+    finally:
+        slurm.restore_link(keep, victim)
+    back = wait_status(ref, lambda d: any(n["node"] == victim and n["role"] == "standby" and n["state"] == "shadow"
+                                          for n in d["nodes"]), 120)
+    assert all(not n["unreachable"] for n in back["nodes"] if n["role"] in ("active", "standby")), back
+
+    # used again: a drain of rank 0's node swaps the node that was cut off back in
+    drained = run_tmrun(["drain", by_rank[0], "--rdzv-endpoint", ref.endpoint, "--job", ref.job], cwd=workdir,
+                        timeout=120)
+    assert drained.returncode == 0 and f"{victim} takes its place" in drained.stderr, drained.stderr
+    check_runtime_job(slurm, job_id, workdir, runtime_reference, replaced={0, 2})
 

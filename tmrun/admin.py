@@ -17,7 +17,7 @@ from agent.changes import Changes
 from agent.errors import JobNotFound, RequestRejected, StoreError, TmrunError, UnknownNode
 from agent.history import read_events
 from agent.keys import JobKeys
-from agent.records import NodeRecord, Outcome, Plan, Request, parse
+from agent.records import REJOINS, NodeRecord, Outcome, Plan, Request, parse
 from agent.store import Entry, Store
 
 STATUS_SCHEMA = 1
@@ -63,8 +63,11 @@ def _node_row(name: str, rec: NodeRecord | None, plan: Plan | None, ended: bool)
         role = "left"  # the job has ended and this node's agent is gone
     elif plan is not None and name in plan.out:
         reason = plan.out[name]
-        if reason == "rejoining" and rec is not None:
-            role = "standby" if plan.rejoined(name, rec.run_state) else "draining"
+        if reason in REJOINS and rec is not None:
+            if not plan.rejoined(name, rec.run_state):  # still stopping its workers
+                role = "draining" if reason == "rejoining" else "cut-off"
+            else:  # taken out for a cut link: a standby again once its agent reaches every member
+                role = "cut-off" if reason == "link" and rec.unreachable else "standby"
         else:
             role = "draining" if reason == "drained" and rec is not None else reason
     elif plan is not None and name in plan.members:
@@ -93,6 +96,7 @@ def _node_row(name: str, rec: NodeRecord | None, plan: Plan | None, ended: bool)
         "last_swap": run.last_swap if run else {},
         "metrics": f"http://{rec.metrics}/metrics" if rec and rec.metrics else None,
         "links": dict(rec.links) if rec else {},  # source node -> bytes/s measured into this node
+        "unreachable": list(rec.unreachable) if rec else [],  # members its agent's link checks miss
     }
 
 
