@@ -183,6 +183,7 @@ class Leader:
                 log.warning("%s is no longer the leader", self._cfg.node)
                 return
             cluster, plan_entry = read_cluster(self._keys, entries, self._parsed, mirror.changed_at)
+            cluster = dataclasses.replace(cluster, leader=self._cfg.node)  # it hosts the next generation's store
             await self._report_swap(cluster)
             now = self._clock()
             if mirror.reconnects != reconnects or self.store_trouble != trouble:

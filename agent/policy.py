@@ -82,6 +82,7 @@ class Cluster:
     plan: Plan | None
     requests: tuple[Request, ...] = ()  # pending, oldest first
     finished: bool = False
+    leader: str = ""  # the node deciding: it hosts the next generation's store
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,8 +228,10 @@ def cut_links(cluster: Cluster, plan: Plan) -> list[tuple[str, str]]:
 
 def _on_link_cut(cluster: Cluster, plan: Plan, limits: Limits, clock: Clock) -> Decision | None:
     """Members that cannot reach each other: the node in most cut pairs leaves like a failure
-    (ties: the higher rank), again until no pair is left; a standby takes its place, or an elastic
-    job shrinks. Its agent keeps checking: once its links are back it is a standby again."""
+    (ties: not the leader, then the higher rank), again until no pair is left; a standby takes its
+    place, or an elastic job shrinks. The leader hosts the next generation's store, so every member
+    must reach it: when it would be the one to leave, the members it cannot reach leave instead.
+    A node taken out keeps checking: once its links are back it is a standby again."""
     pairs = cut_links(cluster, plan)
     if not pairs:
         return None
@@ -238,8 +241,13 @@ def _on_link_cut(cluster: Cluster, plan: Plan, limits: Limits, clock: Clock) -> 
         for a, b in pairs:
             count[a] = count.get(a, 0) + 1
             count[b] = count.get(b, 0) + 1
-        culprit = max(count, key=lambda m: (count[m], plan.members.index(m)))
+        culprit = max(count, key=lambda m: (count[m], m != cluster.leader, plan.members.index(m)))
         peers = [a if b == culprit else b for a, b in pairs if culprit in (a, b)]
+        if culprit == cluster.leader:
+            for peer in peers:
+                culprits[peer] = f"{peer}'s link to {culprit} (the leader: it hosts the generation's store) is down"
+            pairs = [pair for pair in pairs if not set(pair) & set(peers)]
+            continue
         culprits[culprit] = f"{culprit}'s link to {', '.join(peers)} is down"
         pairs = [pair for pair in pairs if culprit not in pair]
     decision = _replace(cluster, plan, limits, clock, list(culprits), [], links=culprits)
@@ -379,7 +387,8 @@ def _replace(cluster: Cluster, plan: Plan, limits: Limits, clock: Clock,
     swap = plan.hot and not in_place  # the survivors keep their workers: a hot swap, a hot shrink or both
     before = set(plan.members)
     joiners = tuple(m for m in members if m not in before) if swap else ()
-    reported = [_run(cluster, c).at for c in culprits if c not in lost and _run(cluster, c).at]
+    # when a failed worker reported; a link's report time is not kept: the plan's own time stands in
+    reported = [_run(cluster, c).at for c in culprits if c not in lost and c not in links and _run(cluster, c).at]
     how = (" (hot swap)" if joiners else "") + (" (no restart)" if swap and shrunk else "")
     return Decision(Action.START, "; ".join(notes) + how, members=tuple(members),
                     out=out, restarts=plan.restarts + (0 if swap else 1), in_place_restarts=in_place_restarts,

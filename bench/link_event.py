@@ -44,13 +44,14 @@ NAME = "link_event"
 GOAL_DECISION_MS = 20.0
 
 
-def cycle(slurm, ref, index: int) -> dict:
-    from tests.test_e2e_slurm import ranks_of
+def cycle(slurm, job_id: int, ref, index: int) -> dict:
+    from tests.test_e2e_slurm import members, ranks_of
 
     doc = wait_status(ref, lambda d: d["state"] == "running" and any(n["role"] == "standby" and n["state"] == "shadow"
                                                                        for n in d["nodes"]), 120)
     by_rank = {rank: node for node, rank in ranks_of(doc).items()}
     keep, victim, gen = by_rank[1], by_rank[2], doc["generation"]
+    etcd = [host for host, started in members(slurm, job_id) if started]
     cut_at = time.time()
     slurm.cut_link(keep, victim)
     try:
@@ -64,7 +65,8 @@ def cycle(slurm, ref, index: int) -> dict:
     wait_status(ref, lambda d: any(n["node"] == victim and n["role"] == "standby" and n["state"] == "shadow"
                                    for n in d["nodes"]), 180)
     back_s = time.time() - restored_at
-    return {"cycle": index + 1, "cut": f"{keep} ↔ {victim}", "text": plan["text"],
+    return {"cycle": index + 1, "cut": f"{keep} ↔ {victim}", "text": plan["text"], "etcd_members": etcd,
+            "etcd_link_cut": keep in etcd and victim in etcd,
             "noticed_s": round(plan["at"] - cut_at, 3), "decision_ms": plan["data"].get("decision_ms"),
             "stall_s": swap.get("stall_s"), "back_s": round(back_s, 2)}
 
@@ -87,16 +89,23 @@ def main() -> None:
         job_id = submit_runtime_job(slurm, workdir, steps=600 * (args.cuts + 1), conf=FAST + ",collective_timeout=5")
         ref, _ = wait_hot(slurm, job_id)
         wait_steps(slurm, job_id, 30, 120)
-        for index in range(args.cuts):
-            rows.append(cycle(slurm, ref, index))
-            print(rows[-1], flush=True)
+        try:
+            for index in range(args.cuts):
+                rows.append(cycle(slurm, job_id, ref, index))
+                print(rows[-1], flush=True)
+        finally:
+            log = common.RESULTS / f"{NAME}-job.out"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            log.write_text(slurm.output(job_id))
+            print(f"the job's output: {log}", flush=True)
         slurm.scancel(job_id)
         slurm.wait_job(job_id, 120)
     finally:
         slurm.down()
-    columns = ["cycle", "link cut", "noticed and planned (s)", "leader decision (ms)", "survivors' stall (s)",
-               "back as a standby (s)"]
-    table = [[r["cycle"], r["cut"], r["noticed_s"], r["decision_ms"], r["stall_s"], r["back_s"]] for r in rows]
+    columns = ["cycle", "link cut", "etcd members", "noticed and planned (s)", "leader decision (ms)",
+               "survivors' stall (s)", "back as a standby (s)"]
+    table = [[r["cycle"], r["cut"], " ".join(r["etcd_members"]) + (" (a raft link cut)" if r["etcd_link_cut"] else ""),
+              r["noticed_s"], r["decision_ms"], r["stall_s"], r["back_s"]] for r in rows]
     common.print_table("Link events on the SLURM lab", columns, table)
     decisions = [r["decision_ms"] for r in rows if r["decision_ms"] is not None]
     worst = max(decisions) if decisions else None

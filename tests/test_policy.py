@@ -705,6 +705,21 @@ LINKS = [
 ]
 
 
+def led_by(view: Cluster, leader: str) -> Cluster:
+    return dataclasses.replace(view, leader=leader)
+
+
+LINKS += [
+    Case("a-tie-with-the-leader-takes-the-other-end-out",
+         led_by(cluster(running("a", 1), running("b", 2), cut(running("c", 3), "b"), node("s", 4, state="shadow"),
+                        plan=HOT_ABC), "c"), FIXED3, T0, Action.START, members=("a", "s", "c"), out={"b": "link"}),
+    Case("the-leader-in-most-pairs-stays-and-the-nodes-it-cannot-reach-leave",
+         led_by(cluster(cut(running("a", 1), "b", "c"), running("b", 2), running("c", 3), node("s", 4, state="shadow"),
+                        node("t", 5, state="shadow"), plan=HOT_ABC), "a"), FIXED3, T0, Action.START,
+         members=("a", "s", "t"), out={"b": "link", "c": "link"}, reason_has=("the leader",)),
+]
+
+
 @pytest.mark.parametrize("case", LINKS, ids=[c.id for c in LINKS])
 def test_a_member_with_a_cut_link_leaves_like_a_failure(case: Case) -> None:
     check(case, decide(case.cluster, case.limits, case.clock))
