@@ -14,5 +14,6 @@ run rebalancing.py --size 5M --period 30 --rounds 4
 run etcd_failure.py
 run elastic.py
 run pull.py
+run link_event.py --cuts 3
 echo "== python -m bench.control_plane_scale"
 flock /tmp/tmrun-bench.lock python -m bench.control_plane_scale || echo "!! bench.control_plane_scale failed"
