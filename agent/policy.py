@@ -215,13 +215,17 @@ def _growth(cluster: Cluster, plan: Plan, limits: Limits) -> list[str]:
 
 
 def cut_links(cluster: Cluster, plan: Plan) -> list[tuple[str, str]]:
-    """Pairs of members whose link is down (either end's agent cannot reach the other), by rank."""
+    """Pairs of members whose link is down, by rank: both ends' agents report the other unreachable.
+
+    Both, because a node whose agent died (or whose machine did) is unreachable from everyone
+    and reports nothing: that is a lost node (its lease expires), not a cut link."""
     rank = {m: i for i, m in enumerate(plan.members)}
     pairs = set()
     for member in plan.members:
         view = cluster.nodes.get(member)
         for other in view.unreachable if view is not None else ():
-            if other in rank and other != member:
+            peer = cluster.nodes.get(other)
+            if other in rank and other != member and peer is not None and member in peer.unreachable:
                 pairs.add(tuple(sorted((member, other), key=rank.__getitem__)))
     return sorted(pairs, key=lambda pair: (rank[pair[0]], rank[pair[1]]))
 
