@@ -459,10 +459,12 @@ def _pool(cluster: Cluster, plan: Plan) -> list[str]:
     """Standbys in join order: alive, not training, not out (a rejoining node once it stopped
     training), and with a working link to every member (as the checks of both ends see it)."""
     members = set(plan.members)  # a set: 1,000 nodes against 1,000 members
-    cut_off = set().union(*(cluster.nodes[m].unreachable for m in members if m in cluster.nodes))
+    live = {m for m in members if m in cluster.nodes and _run(cluster, m).state != "failed"}
+    cut_off = set().union(*(cluster.nodes[m].unreachable for m in live))
+    # a member that is lost or failed is being replaced: missing it says nothing of the standby's links
     nodes = [n for n in cluster.nodes.values()
              if n.name not in members and (n.name not in plan.out or plan.rejoined(n.name, n.run))
-             and n.name not in cut_off and not n.unreachable & members]
+             and n.name not in cut_off and not n.unreachable & live]
     return [n.name for n in sorted(nodes, key=lambda n: n.order)]
 
 
