@@ -98,8 +98,10 @@ class RealGroup(Group):
         self.rank, self.size = rank, size
         self.bytes_sent = 0
         self.answered = 0
+        self.store = store  # the generation's store: torch-native mesh groups are built on it too
         self._pg = dist.ProcessGroupGloo(store, rank, size, max(timeout, self.CONNECT_TIMEOUT))
         self._pg.set_timeout(timeout)
+        self._native: "dist.ProcessGroup | None" = None
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.futures.Future:
         _check_op(op)
@@ -135,6 +137,15 @@ class RealGroup(Group):
         return self._live.recv([tensor], src, tag)
 
     @property
+    def native(self) -> "dist.ProcessGroup | None":
+        """This gloo group as a c10d ``ProcessGroup`` (None once closed): what the run's torch-native
+        group forwards to (:mod:`tmrun.process_group`). Only this object holds it, so ``close``
+        still drops the last reference to the connections."""
+        if self._pg is not None and self._native is None:
+            self._native = wrap(self._pg, self.store, self.rank, self.size)
+        return self._native if self._pg is not None else None
+
+    @property
     def _live(self) -> "dist.ProcessGroupGloo":
         if self._pg is None:
             raise RuntimeError(f"rank {self.rank}'s group of {self.size} was closed")
@@ -145,7 +156,7 @@ class RealGroup(Group):
         last reference closes them, so a peer waiting in a collective with this rank fails at once
         instead of at its collective timeout (a peer that is not a direct neighbour of a dead rank
         would otherwise wait that long)."""
-        pg, self._pg = self._pg, None
+        pg, self._pg, self._native = self._pg, None, None
         if pg is None:
             return
         try:
@@ -165,11 +176,16 @@ def local_process_group() -> "dist.ProcessGroup":
     DDP needs a ProcessGroup; every byte of gradient traffic goes through the runtime's
     communication hook instead, over whatever :class:`Group` is current.
     """
+    store = dist.HashStore()
+    return wrap(dist.ProcessGroupGloo(store, 0, 1), store, 0, 1)
+
+
+def wrap(gloo: "dist.ProcessGroupGloo", store: dist.Store, rank: int, size: int) -> "dist.ProcessGroup":
+    """A gloo backend as a c10d ``ProcessGroup``: the object with every collective's method
+    (a backend alone lacks the coalesced ones FSDP2 calls)."""
     from torch._C._distributed_c10d import ProcessGroup
 
-    store = dist.HashStore()
-    group = ProcessGroup(store, 0, 1)
-    backend = dist.ProcessGroupGloo(store, 0, 1)
+    group = ProcessGroup(store, rank, size)
     group._set_default_backend(ProcessGroup.BackendType.GLOO)
-    group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, backend)
+    group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, gloo)
     return group

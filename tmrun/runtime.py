@@ -31,13 +31,14 @@ import logging
 import os
 import statistics
 import time
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from tmrun.channel import AgentChannel
 from tmrun.groups import Group, RealGroup, SandboxGroup
+from tmrun.native import NativeGroups, NativeResize
 from tmrun.phases import Phase, Phases
 from tmrun.shares import Share, iterate
 from tmrun.swap import (Exchange, GroupSpec, Handover, Leave, ModelMismatch, NextGroup, StateLost, TakeOver,
@@ -112,6 +113,7 @@ class Run:
         self._build_error: str | None = None  # why building a group failed since the last switch
         self._last_progress = 0.0
         self._step_times: collections.deque = collections.deque(maxlen=64)  # (seconds, during phase 1)
+        self._native: NativeGroups | None = None  # run.process_group and run.device_mesh, once asked for
 
     # ------------------------------------------------------------------ identity
     @property
@@ -237,7 +239,7 @@ class Run:
         """
         try:
             yield from self._steps(total)
-        except (StepFailed, StateLost, ModelMismatch) as exc:
+        except (StepFailed, StateLost, ModelMismatch, NativeResize) as exc:
             self._phase.move(Phase.FAILED, f"{type(exc).__name__}: {str(exc)[:200]}")
             raise
 
@@ -321,6 +323,8 @@ class Run:
         the node is a warm standby at once, without a new process.
         """
         self.group = SandboxGroup(self.rank, self.world_size)
+        if self._native is not None:
+            self._native.attach(None, None, self.world_size)
         self.identity = dataclasses.replace(self.identity, generation=0)
         self._leave, self._pair = None, None
         if self._next is not None:
@@ -524,10 +528,15 @@ class Run:
     def _adopt(self, pending: NextGroup, group: RealGroup, started: float, built: float,
                my_step: int | None = None) -> None:
         spec = pending.spec
+        if self._native is not None:  # before any state moves: a promoted standby's shards are its new rank's
+            self._native.check_size(spec.world_size)
+            self._native.rebind(spec.rank, self._tracked.values())
         result = exchange_state(group, self._tracked, self.step if my_step is None else my_step,
                                 self.group_timeout, rates=pending.rates)
         old = self.group
         self.group = group
+        if self._native is not None:
+            self._native.attach(group, group.store, spec.world_size)
         self.identity = dataclasses.replace(self.identity, rank=spec.rank, world_size=spec.world_size,
                                             generation=spec.gen)
         self.step = result.step
@@ -606,6 +615,28 @@ class Run:
         samples of a step do not depend on how many ranks there are."""
         return iterate(self.rank, self.world_size, count, ddp)
 
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """The job's world as a real torch ``ProcessGroup`` (also torch.distributed's default group),
+        for torch's own parallelism: ``DistributedDataParallel(model, process_group=...)``,
+        ``fully_shard``, DTensor. Its transport follows the run's generations
+        (:mod:`tmrun.process_group`); a collective that fails is latched and voted at ``commit()``."""
+        return self._natives().world
+
+    def device_mesh(self, shape: Sequence[int], names: Sequence[str] | None = None) -> Any:
+        """A ``DeviceMesh`` of the job's ranks (``torch.arange(world).view(shape)``) on groups that
+        survive a swap, e.g. ``run.device_mesh((2, 2), ("replicate", "shard"))`` for HSDP."""
+        natives = self._natives()
+        return natives.device_mesh(shape, names)
+
+    def _natives(self) -> NativeGroups:
+        if self._native is None:
+            natives = NativeGroups(self.rank, self.world_size, self, self.group_timeout)
+            real = self.group if isinstance(self.group, RealGroup) else None
+            natives.create_world(real, real.store if real else None)
+            self._native = natives
+        return self._native
+
     def data_parallel(self, module: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.Module:
         """DDP whose gradient traffic goes over this run's (swappable) group."""
         from tmrun.ddp import data_parallel
@@ -613,6 +644,8 @@ class Run:
         return data_parallel(self, module, **ddp_kwargs)
 
     def finish(self) -> None:
+        if self._native is not None and dist.is_initialized():
+            dist.destroy_process_group()
         self.group.close()
         if self.channel is not None:
             self.channel.close()

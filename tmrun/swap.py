@@ -58,7 +58,8 @@ import torch
 import torch.distributed as dist
 
 from tmrun.groups import RealGroup
-from tmrun.pull import probe_links, pull_plans, tags_used, transfer
+from tmrun.pull import probe_links, tags_used, transfer
+from tmrun.replicas import Key, NoReplica, key_of, local, replica_pulls
 
 log = logging.getLogger("tmrun.swap")
 
@@ -272,20 +273,27 @@ class NextGroup:
         return self.group
 
 
-def flatten(state: Any, path: str = "") -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
-    """Tensors (in a deterministic order) and JSON-able leaves of a nested state_dict."""
+def flatten(state: Any, path: str = "", keys: list[Key | None] | None = None,
+            ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
+    """Tensors (in a deterministic order) and JSON-able leaves of a nested state_dict.
+
+    A DTensor stands for its local shard (the bytes this rank holds); ``keys``, when given, gets
+    each tensor's replica key (:mod:`tmrun.replicas`), in the same order.
+    """
     tensors: list[tuple[str, torch.Tensor]] = []
     leaves: dict[str, Any] = {}
     if isinstance(state, torch.Tensor):
-        tensors.append((path, state))
+        tensors.append((path, local(state)))
+        if keys is not None:
+            keys.append(key_of(state))
     elif isinstance(state, dict):
         for key, value in state.items():
-            sub_t, sub_l = flatten(value, f"{path}/{key}")
+            sub_t, sub_l = flatten(value, f"{path}/{key}", keys)
             tensors += sub_t
             leaves.update(sub_l)
     elif isinstance(state, (list, tuple)):
         for index, value in enumerate(state):
-            sub_t, sub_l = flatten(value, f"{path}[{index}]")
+            sub_t, sub_l = flatten(value, f"{path}[{index}]", keys)
             tensors += sub_t
             leaves.update(sub_l)
     else:
@@ -351,7 +359,8 @@ def exchange_state(group: RealGroup, tracked: dict[str, Any], my_step: int, time
     (:mod:`tmrun.pull`; ``pull`` picks how).
     """
     states = {name: obj.state_dict() for name, obj in tracked.items()}
-    tensors, leaves = flatten(states)
+    keys: list[Key | None] = []
+    tensors, leaves = flatten(states, keys=keys)
     leaves = portable(leaves)  # before anything is sent: a leaf JSON cannot carry fails every rank alike
     row = [0] * group.size
     for src, rate in (rates or {}).items():
@@ -370,7 +379,12 @@ def exchange_state(group: RealGroup, tracked: dict[str, Any], my_step: int, time
     me = group.rank
     if not receivers:
         return Exchange(top, sources, receivers, 0)
-    plans = pull_plans([t for _, t in tensors], sources, receivers, [h[2:].tolist() for h in everyone], pull)
+    try:  # every rank plans alike, so every rank raises alike
+        plans = replica_pulls([t for _, t in tensors], keys, [p for p, _ in tensors], sources, receivers,
+                              [h[2:].tolist() for h in everyone], pull)
+    except NoReplica as exc:
+        raise StateLost(f"{exc}: a shard that only the lost rank held is gone (no replica, no redundant "
+                        "copy); the job must restart from a checkpoint") from None
     received, links = transfer(group, [t for _, t in tensors], plans)
     blob = _leaf_blob(group, leaves, sources[0], receivers, tags_used(plans))
     if me in receivers:

@@ -1,0 +1,104 @@
+"""Hot swaps of torch-native parallelism: torch's DDP, FSDP2 and HSDP on the runtime's groups.
+
+Real etcd, agents and gloo workers running tests/scripts/native_job.py, which builds torch's own
+``DistributedDataParallel(process_group=run.process_group)`` or ``fully_shard`` on
+``run.device_mesh(...)``. A drain or a SIGKILL swaps the standby in; the final weights must equal,
+bit for bit, the same script's under torchrun with plain torch (``--torch``: torch's own gloo
+groups and ``init_device_mesh``), every step must be committed once per rank, and the survivors'
+process ids must not change.
+
+Which state moves: DDP's replicas after a failure; under FSDP2 the leaver's own shard, handed over
+in a drain; under HSDP the lost rank's shard from the rank of its replicate group. A SIGKILL
+under FSDP2 leaves a shard that nobody else holds: the runtime refuses to train on the standby's
+shadow state (``StateLost``) and the job restarts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.harness import FAST, assert_same_weights, job_ref, run_tmrun, wait_status
+from tests.test_e2e_hot_swap import _assert_each_step_committed_once, _events
+
+pytestmark = pytest.mark.e2e
+
+JOB = Path(__file__).parent / "scripts" / "native_job.py"
+STEPS = 120  # as tests/test_e2e_hot_swap.py: _assert_each_step_committed_once counts these
+PACE = ["--step-time", "0.05"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    mode: str
+    nodes: int
+    action: str  # drain | kill
+    rank: int  # whose node is drained / whose worker is killed
+    step: int = 20
+
+
+CASES = [
+    Case("ddp-drain-rank1", "ddp", 2, "drain", 1),
+    Case("ddp-kill-9-rank0", "ddp", 2, "kill", 0),  # the standby's shadow ran as rank 1: it is rebound to 0
+    Case("fsdp-drain-rank1", "fsdp", 4, "drain", 1),
+    Case("hsdp-kill-9-rank0", "hsdp", 4, "kill", 0),  # rank 0's shard comes from rank 2, its replica
+    Case("hsdp-kill-9-rank3", "hsdp", 4, "kill", 3),
+]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory) -> dict[tuple[str, int], Path]:
+    """The same script with plain torch under torchrun, once per (mode, world size)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_", "TMRUN_"))}
+    outs = {}
+    for mode, world in sorted({(case.mode, case.nodes) for case in CASES}):
+        out = tmp_path_factory.mktemp(f"native-{mode}{world}") / "ref.pt"
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                               str(world), str(JOB), str(out), "--mode", mode, "--steps", str(STEPS), "--torch"],
+                              capture_output=True, text=True, timeout=150, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        outs[mode, world] = out
+    return outs
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_native_parallelism_hot_swap(case: Case, jobs, tmp_path, references):
+    job = jobs(["--nnodes", str(case.nodes), "--standby", "1", "--rdzv-conf", FAST,
+                str(JOB), str(tmp_path / "final.pt"), "--mode", case.mode, "--steps", str(STEPS), *PACE])
+    ref = job_ref(job)
+    wait_status(ref, lambda d: d["hot_swap"] and any(n["state"] == "shadow" for n in d["nodes"]), 120)
+    job.out.wait_for(rf'"step": {case.step}, "committed"', 120)
+    doc = wait_status(ref, lambda d: True, 10)
+    job.track()
+    target = next(n for n in doc["nodes"] if n["ranks"] == [case.rank])
+    if case.action == "drain":
+        drained = run_tmrun(["drain", target["node"]], cwd=tmp_path, timeout=120)
+        assert drained.returncode == 0 and "hot swap" in drained.stderr, drained.stderr
+    else:
+        os.kill(target["worker_pids"][0], signal.SIGKILL)
+    final = wait_status(ref, lambda d: d["generation"] >= 2 or d["state"] != "running", 150)
+    job.track()
+    assert job.wait(180) == 0, job.err.text()[-4000:]
+    assert final["restarts"] == 0 and final["hot_swaps"] == 1, final  # a swap, not a restart
+    assert_same_weights(tmp_path / "final.pt", references[case.mode, case.nodes])
+
+    events = [e for e in _events(job.out.text()) if e.get("role") == "active" and "step" in e]
+    killed = {target["worker_pids"][0]} if case.action == "kill" else set()
+    pids: dict[int, set[int]] = {}
+    for event in events:
+        pids.setdefault(event["rank"], set()).add(event["pid"])
+    before = {n["ranks"][0]: n["worker_pids"][0] for n in doc["nodes"] if n["ranks"]}
+    for rank in range(case.nodes):
+        _assert_each_step_committed_once(events, rank, killed)
+        if rank != case.rank:  # the same process from the first step to the last
+            assert pids[rank] == {before[rank]}, f"rank {rank} was restarted: {pids[rank]}, before {before[rank]}"
+    assert len(pids[case.rank]) == 2, pids  # the leaver's process, then the joiner's
+    assert "started generation 2" not in job.err.text() and "Traceback" not in job.err.text()
