@@ -552,6 +552,11 @@ class NodeAgent:
             log.info("%s worker %d switched to generation %s at step %s (stall %.3f s)", self.cfg.node, pid,
                      fields.get("gen"), fields.get("step"), float(fields.get("stall", 0.0)))
             self._dirty.set()
+        elif kind == "failed":
+            log.warning("%s worker %d cannot go on in generation %s: %s", self.cfg.node, pid, message.get("gen"),
+                        message["error"][:300])
+            if not self._run.error:
+                self._run = dataclasses.replace(self._run, error=message["error"][:300])
         elif kind == "broken":
             self._progress_at = None  # waiting for the next generation is not a hang
             log.warning("%s worker %d: generation %s broke at step %s: %s", self.cfg.node, pid, message.get("gen"),

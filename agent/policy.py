@@ -486,4 +486,4 @@ def _describe(cluster: Cluster, node: str) -> str:
     worker = "worker" if run.rank is None else f"worker rank {run.rank}"
     if run.exitcode is not None and run.exitcode < 0:
         return f"{worker} killed by signal {-run.exitcode}"
-    return f"{worker} exited with code {run.exitcode}"
+    return f"{worker} exited with code {run.exitcode}" + (f" ({run.error})" if run.error else "")

@@ -147,7 +147,8 @@ class RunState(Record):
     """What a node's workers are doing in generation ``gen``.
 
     ``state``: ``idle`` (no workers), ``running``, ``succeeded``, ``failed``, ``stopped``.
-    ``exitcode``: the first failing worker's exit code (negative: killed by that signal).
+    ``exitcode``: the first failing worker's exit code (negative: killed by that signal);
+    ``error``: why a worker said it could not go on (the runtime's ``failed`` message), or "".
     """
 
     gen: int = 0
@@ -160,6 +161,7 @@ class RunState(Record):
     step: int = 0  # the job's step, as the workers last reported it
     step_time: float = 0.0
     last_swap: dict[str, Any] = dataclasses.field(default_factory=dict)
+    error: str = ""
 
     def _check(self) -> None:
         for name, value in self.last_swap.items():  # read by agent/swap_report.py

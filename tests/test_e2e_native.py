@@ -102,3 +102,29 @@ def test_native_parallelism_hot_swap(case: Case, jobs, tmp_path, references):
             assert pids[rank] == {before[rank]}, f"rank {rank} was restarted: {pids[rank]}, before {before[rank]}"
     assert len(pids[case.rank]) == 2, pids  # the leaver's process, then the joiner's
     assert "started generation 2" not in job.err.text() and "Traceback" not in job.err.text()
+    # a survivor blocked in a collective with the dead rank failed at once, not at the collective timeout
+    assert "Timed out waiting" not in job.err.text()
+
+
+@pytest.mark.timeout(240)
+def test_fsdp_kill_9_without_a_replica_restarts_and_says_why(jobs, tmp_path, references):
+    """FSDP2's shards have no replica: after a SIGKILL the survivors refuse to train on the standby's
+    shadow shard (``StateLost``), the leader's decision says so, and the job restarts (the script has
+    no checkpoint: it trains again from step 0 and ends with the uninterrupted run's weights)."""
+    job = jobs(["--nnodes", "4", "--standby", "1", "--max-restarts", "1", "--rdzv-conf", FAST,
+                str(JOB), str(tmp_path / "final.pt"), "--mode", "fsdp", "--steps", str(STEPS), *PACE])
+    ref = job_ref(job)
+    wait_status(ref, lambda d: d["hot_swap"] and any(n["state"] == "shadow" for n in d["nodes"]), 120)
+    job.out.wait_for(r'"step": 20, "committed"', 120)
+    doc = wait_status(ref, lambda d: True, 10)
+    job.track()
+    target = next(n for n in doc["nodes"] if n["ranks"] == [2])
+    os.kill(target["worker_pids"][0], signal.SIGKILL)
+    assert job.wait(200) == 0, job.err.text()[-4000:]
+    err = job.err.text()
+    assert "StateLost: no surviving rank holds rank 2's copy of /model/" in err, err[-4000:]
+    # no survivor sat in a collective with the dead rank until the collective timeout (120 s): the
+    # others let go of the old group's connections (FSDP2 keeps its works between calls)
+    assert "Timed out waiting" not in err
+    assert "restart" in next(line for line in err.splitlines() if "decision" in line and "StateLost" in line)
+    assert_same_weights(tmp_path / "final.pt", references["fsdp", 4])

@@ -121,6 +121,16 @@ class NativeGroups:
         for transport in old:
             transport.close()
 
+    def close(self) -> None:
+        """The current generation is over (broken, left, finished): let go of its connections, the
+        mesh groups' and every forwarded work's, so that peers blocked in it fail at once."""
+        if self.world is not None:
+            self.world.release()
+        for group in self._subgroups:
+            group.release()
+        for transport in self._transports:
+            transport.close()
+
     def rebind(self, rank: int, modules: Iterable[Any] = ()) -> None:
         """This process takes global rank ``rank`` (a promoted standby's shadow ran as another)."""
         if rank == self.rank:

@@ -73,6 +73,7 @@ class SwappableGroup(ProcessGroup):
         self._transport: Transport | None = None  # None: the sandbox
         self._name = ""
         self.answered = 0  # collectives answered inside the process (the sandbox, or after a failure)
+        self._pending: list[_Latched] = []  # forwarded works that may still hold the transport
 
     # ---------------------------------------------------------------- identity, as torch asks for it
     def getRank(self) -> int:  # noqa: N802 (c10d's names: the C++ callers reach these)
@@ -108,7 +109,15 @@ class SwappableGroup(ProcessGroup):
 
     def attach(self, transport: Transport | None) -> None:
         """Forward to ``transport`` from now on (None: answer everything inside the process)."""
+        self.release()
         self._transport = transport
+
+    def release(self) -> None:
+        """Let go of every forwarded work (the transport was closed, or a new one attached), so that
+        nothing in this process keeps the old connections open."""
+        for work in self._pending:
+            work.release()
+        self._pending = []
 
     def rebind(self, members: Sequence[int], rank: int) -> None:
         """This process is now global rank ``rank``, in the group of ``members`` (a standby
@@ -195,9 +204,12 @@ class SwappableGroup(ProcessGroup):
                 raise RuntimeError(f"rank {self.global_rank}'s group of this generation was closed")
             work = call(native)
         except RuntimeError as exc:
-            self.guard.latch(exc, group_failed=True)
+            self.guard.latch(_bare(exc), group_failed=True)
             return self._answer(results, local)
-        return _Latched(work, results, self.guard)
+        latched = _Latched(work, results, self.guard)
+        self._pending = [w for w in self._pending if w.holding]
+        self._pending.append(latched)
+        return latched
 
     def _answer(self, results: list[torch.Tensor], local: Callable[[], None]) -> dist.Work:
         local()
@@ -207,38 +219,66 @@ class SwappableGroup(ProcessGroup):
 
 class _Latched(Work):
     """A transport's work whose failure is latched on the run instead of raised: ``wait`` returns,
-    and the future (DDP chains on it) completes with the results buffers either way."""
+    and the future (DDP chains on it) completes with the results buffers either way.
+
+    It lets go of the transport's work once that is over, or when the group is released: a gloo
+    work holds its group's connections, and a peer blocked in a collective with this rank fails
+    at once only when nothing here holds them any more (FSDP2 keeps its works between calls).
+    """
 
     def __init__(self, work: Work, results: list[torch.Tensor], guard: Guard) -> None:
         super().__init__()
-        self._work, self._results, self._guard = work, results, guard
+        self._work: Work | None = work
+        self._results, self._guard = results, guard
+
+    @property
+    def holding(self) -> bool:
+        return self._work is not None
+
+    def release(self) -> None:
+        self._work = None
 
     def wait(self, timeout=None) -> bool:
+        work = self._work
+        if work is None:
+            return True
+        self._work = None
         try:
-            self._work.wait()
+            work.wait()
         except RuntimeError as exc:  # a peer is gone: this step cannot commit
-            self._guard.latch(exc, group_failed=True)
+            del work
+            self._guard.latch(_bare(exc), group_failed=True)
         return True
 
     def is_completed(self) -> bool:
-        return self._work.is_completed()
+        work = self._work
+        return work is None or work.is_completed()
 
     def get_future(self) -> torch.futures.Future:
+        work = self._work
+        if work is None:
+            return _done(self._results)
         try:
-            inner = self._work.get_future()
+            inner = work.get_future()
         except RuntimeError:  # some of gloo's works have no future: wait, then a completed one
             self.wait()
             return _done(self._results)
-        results, guard = self._results, self._guard
 
         def settle(future: torch.futures.Future) -> list[torch.Tensor]:
+            self._work = None
             try:
                 future.wait()
             except RuntimeError as exc:
-                guard.latch(exc, group_failed=True)
-            return results
+                self._guard.latch(_bare(exc), group_failed=True)
+            return self._results
 
         return inner.then(settle)
+
+
+def _bare(error: RuntimeError) -> RuntimeError:
+    """``error`` without its traceback: the run keeps the error until the step is voted, and the
+    traceback's frames would keep the failed work (and with it the group's connections) alive."""
+    return error.with_traceback(None)
 
 
 def _done(value) -> torch.futures.Future:

@@ -26,6 +26,9 @@ Worker → agent:
   replicas); ``build_error`` is null, or why building a group of a generation this worker did not
   switch to failed since its last switch (the worker logged it when it happened).
 - ``broken``    {gen, step, error}: a collective of ``gen`` failed; the worker waits for a plan.
+- ``failed``    {gen, step, error}: this worker cannot go on in the job and exits with an error next
+  (the training state is lost, it built another model, or a resize that torch-native groups
+  cannot take): the agent reports ``error`` with the exit, and the leader's decision names it.
 
 Agent → worker:
 
@@ -59,7 +62,7 @@ from typing import Any, Callable
 SCHEMA = 1
 MAX_LINE = 16 * 1024 * 1024  # bytes; a longer line is discarded
 ALIVE_EVERY = 1.0  # seconds between a worker's ``alive`` messages
-WORKER_TYPES = frozenset({"hello", "alive", "progress", "ready", "switched", "broken"})
+WORKER_TYPES = frozenset({"hello", "alive", "progress", "ready", "switched", "broken", "failed"})
 AGENT_TYPES = frozenset({"prepare", "leave"})
 
 
@@ -133,6 +136,7 @@ FIELDS: dict[str, tuple[dict[str, Check], dict[str, Check]]] = {
                   "rejoin": _bool, "bytes_sent": _int, "handover_error": _str_or_none,
                   "build_error": _str_or_none, "predicted_s": _number_or_none, "probed": _rates_by_rank}),
     "broken": ({"gen": _int, "step": _int, "error": _str}, {}),
+    "failed": ({"gen": _int, "step": _int, "error": _str}, {}),
     "prepare": ({"gen": _int, "rank": _int, "world_size": _positive, "store_host": _str, "store_port": _positive,
                  "mode": _mode, "handover": _bool}, {"probe": _ranks, "links": _rate_ranges}),
     "leave": ({"gen": _int}, {"rejoin": _bool, "store_host": _str, "store_port": _positive}),

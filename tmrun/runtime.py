@@ -241,6 +241,9 @@ class Run:
             yield from self._steps(total)
         except (StepFailed, StateLost, ModelMismatch, NativeResize) as exc:
             self._phase.move(Phase.FAILED, f"{type(exc).__name__}: {str(exc)[:200]}")
+            if self.channel is not None:  # the leader's decision names the cause, not only the exit code
+                self.channel.send("failed", gen=self.generation, step=self.step,
+                                  error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:500])
             raise
 
     def _steps(self, total: int) -> Iterator[int]:
@@ -455,6 +458,8 @@ class Run:
                           rejoin=leave.rejoin, bytes_sent=sent, transfer=round(time.monotonic() - started, 4),
                           handover_error=failed)
         self.group.close()
+        if self._native is not None:
+            self._native.close()
         if not leave.rejoin:
             self._phase.move(Phase.LEFT, f"handed over to generation {leave.gen}")
             raise SystemExit(0)  # this rank's place is taken by the joiner
@@ -488,6 +493,8 @@ class Run:
         # collectives fail at once, rather than at the collective timeout: a dead rank's
         # neighbours see its connection drop, the others only see theirs.
         self.group.close()
+        if self._native is not None:
+            self._native.close()
         self.channel.send("broken", gen=self.generation, step=self.step, error=str(self._error)[:500])
         self._join_next(time.monotonic() if started is None else started, my_step=self.step)
 
@@ -644,9 +651,11 @@ class Run:
         return data_parallel(self, module, **ddp_kwargs)
 
     def finish(self) -> None:
-        if self._native is not None and dist.is_initialized():
-            dist.destroy_process_group()
         self.group.close()
+        if self._native is not None:
+            self._native.close()
+            if dist.is_initialized():
+                dist.destroy_process_group()
         if self.channel is not None:
             self.channel.close()
 

@@ -1,6 +1,6 @@
 """Torch-native parallelism on the runtime's groups, for tests/test_native.py and the e2e tests.
 
-Usage: python native_job.py OUT.pt --mode ddp|fsdp|hsdp [--steps N] [--torch] [--step-time S]
+Usage: python native_job.py OUT.pt --mode ddp|fsdp|hsdp [--steps N] [--torch] [--step-time S] [--exit-at S:R]
 
 - ``--mode ddp``: ``DistributedDataParallel(model, process_group=...)``;
 - ``--mode fsdp``: ``fully_shard`` on a 1-D mesh (each rank holds its own shard of everything);
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import time
 
 import torch
@@ -68,6 +69,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--torch", action="store_true", help="plain torch under torchrun: the reference")
     parser.add_argument("--step-time", type=float, default=0.0, help="simulated compute per step (pacing)")
+    parser.add_argument("--exit-at", default="", help="STEP:RANK: SIGKILL itself in that step, before backward")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -98,14 +100,18 @@ def main() -> None:
         x, y = batch(step, run.rank)
         if args.step_time:
             time.sleep(args.step_time)  # pacing: a step's compute, so that faults land inside the run
-        F.mse_loss(call(x), y).backward()
+        loss = F.mse_loss(call(x), y)
+        if args.exit_at == f"{step}:{run.rank}":
+            os.kill(os.getpid(), signal.SIGKILL)
+        loss.backward()
         committed = run.commit()
         if committed:
             opt.step()
         opt.zero_grad()
         emit({"step": step, "committed": committed, "rank": run.rank, "pid": os.getpid(), "gen": run.generation,
               "role": run.role})
-    if run.role == "standby":
+    if run.role == "standby":  # no agent promoted it: what its shadow iterations did
+        emit({"standby": True, "sandboxed": run.process_group.sandboxed, "answered": run.process_group.answered})
         return
     weights = full_weights(model)
     if run.rank == 0:
