@@ -35,8 +35,10 @@ STEP_TIME = 0.2  # seconds a step: 120 steps outlast the job's start on four hos
 # Seconds from the last committed step to SLURM's end of the job. Longer than the local cluster's
 # chaos.END_BOUND: here the end also holds the job's etcd cluster stopping member by member (each
 # waits for the others to have seen the outcome, or for a lost quorum) and SLURM ending the step
-# on four hosts; measured 10-17 s on this machine (docs/reliability.md).
-END_BOUND = 30.0
+# on four hosts; measured 10-18 s on this machine alone (docs/reliability.md), and once 33.5 s
+# while the whole suite ran beside it (a drain racing the last step, seed 3). The bound is there
+# for the 48-140 s waits that a real fault caused (issue 9), which it still catches.
+END_BOUND = 45.0
 ETCD_HOSTS = ("node1", "node2", "node3")
 
 

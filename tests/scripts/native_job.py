@@ -37,8 +37,8 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x[:, :4].sin()
 
 
-def build(mode: str, group, mesh_of) -> tuple[torch.nn.Module, torch.nn.Module, torch.optim.Optimizer]:
-    """The model (identical on every rank), the module to call, and the optimizer."""
+def build(mode: str, group, mesh_of) -> tuple[torch.nn.Module, torch.nn.Module, torch.optim.Optimizer, list]:
+    """The model (identical on every rank), the module to call, the optimizer, and the groups it uses."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),
                                 torch.nn.Tanh(), torch.nn.Linear(32, 4))
@@ -46,7 +46,7 @@ def build(mode: str, group, mesh_of) -> tuple[torch.nn.Module, torch.nn.Module, 
         from torch.nn.parallel import DistributedDataParallel
 
         wrapped = DistributedDataParallel(model, process_group=group)
-        return model, wrapped, torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return model, wrapped, torch.optim.AdamW(model.parameters(), lr=1e-2), [group]
     from torch.distributed.fsdp import fully_shard
 
     world = group.size()
@@ -54,7 +54,8 @@ def build(mode: str, group, mesh_of) -> tuple[torch.nn.Module, torch.nn.Module, 
     for layer in (model[0], model[2], model[4]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    return model, model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+    groups = [mesh.get_group(dim) for dim in range(mesh.ndim)]
+    return model, model, torch.optim.AdamW(model.parameters(), lr=1e-2), groups
 
 
 def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -79,7 +80,7 @@ def main() -> None:
 
         dist.init_process_group("gloo")
         rank = dist.get_rank()
-        model, call, opt = build(args.mode, dist.group.WORLD,
+        model, call, opt, _ = build(args.mode, dist.group.WORLD,
                                  lambda shape, names: init_device_mesh("cpu", shape, mesh_dim_names=names))
         for step in range(args.steps):
             x, y = batch(step, rank)
@@ -94,7 +95,7 @@ def main() -> None:
         os._exit(0)  # see runtime_job.py: torch 2.13's teardown at exit hangs now and then
 
     run = tmrun.init()
-    model, call, opt = build(args.mode, run.process_group, run.device_mesh)
+    model, call, opt, groups = build(args.mode, run.process_group, run.device_mesh)
     run.track(model=model, optimizer=opt)
     for step in run.steps(total=args.steps):
         x, y = batch(step, run.rank)
@@ -111,7 +112,7 @@ def main() -> None:
         emit({"step": step, "committed": committed, "rank": run.rank, "pid": os.getpid(), "gen": run.generation,
               "role": run.role})
     if run.role == "standby":  # no agent promoted it: what its shadow iterations did
-        emit({"standby": True, "sandboxed": run.process_group.sandboxed, "answered": run.process_group.answered})
+        emit({"standby": True, "sandboxed": all(g.sandboxed for g in groups), "answered": [g.answered for g in groups]})
         return
     weights = full_weights(model)
     if run.rank == 0:
