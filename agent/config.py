@@ -119,6 +119,7 @@ class WorkerSpec:
     tee: str = "0"
     local_ranks_filter: tuple[int, ...] = ()
     max_restarts: int = 0
+    redundancy_every: int = 0  # --redundancy: snapshot every N steps (0: off), TMRUN_REDUNDANCY* for the runtime
 
     def __post_init__(self) -> None:
         if not self.argv:

@@ -46,6 +46,8 @@ def worker_env(base: Mapping[str, str], cfg: AgentConfig, plan: Plan, local_rank
         "TMRUN_GENERATION": str(plan.gen),
         "TMRUN_COLLECTIVE_TIMEOUT": f"{cfg.timeouts.collective:g}",
     })
+    if cfg.worker.redundancy_every:  # --redundancy 1 (tmrun/redundancy.py)
+        env.update({"TMRUN_REDUNDANCY": "1", "TMRUN_REDUNDANCY_EVERY": str(cfg.worker.redundancy_every)})
     if "OMP_NUM_THREADS" not in base and nproc > 1:
         env["OMP_NUM_THREADS"] = "1"  # torchrun's default, so that results match it
     return env

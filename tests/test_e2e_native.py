@@ -128,3 +128,40 @@ def test_fsdp_kill_9_without_a_replica_restarts_and_says_why(jobs, tmp_path, ref
     assert "Timed out waiting" not in err
     assert "restart" in next(line for line in err.splitlines() if "decision" in line and "StateLost" in line)
     assert_same_weights(tmp_path / "final.pt", references["fsdp", 4])
+
+
+@pytest.mark.timeout(240)
+def test_fsdp_kill_9_with_redundancy_rolls_back_and_swaps_without_a_restart(jobs, tmp_path, references):
+    """``--redundancy 1``: each rank keeps its right neighbour's shards. After a SIGKILL the joiner's
+    shards come from the dead rank's left neighbour's copy, every rank goes back to that copy's step,
+    and the job goes on without a restart; deterministic steps make the end bit-identical to the
+    uninterrupted run, though the steps since the copy were trained twice."""
+    job = jobs(["--nnodes", "4", "--standby", "1", "--redundancy", "1", "--redundancy-every", "5",
+                "--rdzv-conf", FAST, str(JOB), str(tmp_path / "final.pt"), "--mode", "fsdp", "--steps", str(STEPS),
+                *PACE])
+    ref = job_ref(job)
+    wait_status(ref, lambda d: d["hot_swap"] and any(n["state"] == "shadow" for n in d["nodes"]), 120)
+    job.out.wait_for(r'"step": 22, "committed"', 120)
+    doc = wait_status(ref, lambda d: True, 10)
+    job.track()
+    target = next(n for n in doc["nodes"] if n["ranks"] == [2])
+    os.kill(target["worker_pids"][0], signal.SIGKILL)
+    final = wait_status(ref, lambda d: d["generation"] >= 2 or d["state"] != "running", 150)
+    job.track()
+    assert job.wait(180) == 0, job.err.text()[-4000:]
+    assert final["restarts"] == 0 and final["hot_swaps"] == 1, final
+    assert_same_weights(tmp_path / "final.pt", references["fsdp", 4])
+    err = job.err.text()
+    assert "rolled back to step" in err and "StateLost" not in err and "Timed out waiting" not in err, err[-3000:]
+
+    events = [e for e in _events(job.out.text()) if e.get("role") == "active" and "step" in e]
+    before = {n["ranks"][0]: n["worker_pids"][0] for n in doc["nodes"] if n["ranks"]}
+    for rank in (0, 1, 3):  # the survivors: the same process throughout, every step committed at least once
+        mine = [e for e in events if e["rank"] == rank]
+        assert {e["pid"] for e in mine} == {before[rank]}, mine[:3]
+        committed = [e["step"] for e in mine if e["committed"]]
+        assert set(committed) == set(range(STEPS)), rank
+        again = sorted({s for s in committed if committed.count(s) == 2})
+        # the steps since the last agreed copy (a multiple of 5) were trained twice, and only those
+        assert again and again[0] % 5 == 0 and again == list(range(again[0], again[-1] + 1)), again
+        assert all(committed.count(s) <= 2 for s in committed)

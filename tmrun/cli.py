@@ -122,6 +122,12 @@ def launch(
     grow: Annotated[bool, _opt("--grow", env="TMRUN_GROW", help="Elastic jobs (--nnodes MIN:MAX): standbys and "
                                "nodes back from drain --rejoin grow the job while it is below MAX, instead of "
                                "waiting for a failure or drain.")] = False,
+    redundancy: Annotated[int, _opt("--redundancy", env="TMRUN_REDUNDANCY", help="1: each rank of a tmrun-runtime "
+                                    "script keeps its neighbour's shards (FSDP2) in host memory, so that a failure "
+                                    "rolls back to the last complete copy instead of restarting. 0: off.",
+                                    parser=_integer(0, 1))] = 0,
+    redundancy_every: Annotated[int, _opt("--redundancy-every", env="TMRUN_REDUNDANCY_EVERY", help="Steps between "
+                                          "two redundant copies (--redundancy 1).", parser=_integer(1, 1_000_000))] = 10,
     node_name: Annotated[Optional[str], _opt("--node-name", env="TMRUN_NODE_NAME",
                                              help="This node's name in the job (default: hostname).")] = None,
     max_restarts: Annotated[int, _opt("--max-restarts", "--max_restarts", env="PET_MAX_RESTARTS",
@@ -213,7 +219,8 @@ def launch(
     parse_std_spec(redirects, "--redirects")
     parse_std_spec(tee, "--tee")
     worker = WorkerSpec(_worker_argv(script, script_args or [], module, no_python), nproc, role, log_dir,
-                        redirects, tee, _ranks_filter(local_ranks_filter), max_restarts)
+                        redirects, tee, _ranks_filter(local_ranks_filter), max_restarts,
+                        redundancy_every=redundancy_every if redundancy else 0)
     slurm = None if standalone else detect_slurm(os.environ)
     common = dict(min_nodes=min_nodes, max_nodes=max_nodes, timeouts=timeouts, worker=worker,
                   monitor_interval=monitor_interval, tls_cacert=etcd_cacert, tls_cert=etcd_cert, tls_key=etcd_key,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -116,7 +116,7 @@ def pull_plans(tensors: Sequence[torch.Tensor], sources: Sequence[int], receiver
 
 
 def transfer(group: RealGroup, tensors: Sequence[torch.Tensor], plans: Sequence[Pull],
-             ) -> tuple[int, dict[int, tuple[int, float]]]:
+             sending: Callable[[int, int], torch.Tensor] | None = None) -> tuple[int, dict[int, tuple[int, float]]]:
     """Post every send and receive of ``plans`` that involves this rank, then wait for them.
 
     Returns the bytes this rank received and, per source, ``(bytes, seconds until its last
@@ -130,7 +130,8 @@ def transfer(group: RealGroup, tensors: Sequence[torch.Tensor], plans: Sequence[
         for tag, piece in enumerate(plan.pieces):
             tensor = tensors[piece.tensor]
             if me == piece.source:
-                works.append((None, 0, group.send(_view(tensor, piece), plan.receiver, tag), None))
+                out = sending(plan.receiver, piece.tensor) if sending is not None else tensor
+                works.append((None, 0, group.send(_view(out, piece), plan.receiver, tag), None))
             elif me == plan.receiver:
                 size = piece.stop - piece.start
                 into = _view(tensor, piece) if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=

@@ -57,8 +57,15 @@ def key_of(tensor: torch.Tensor) -> Key | None:
 
 def replica_pulls(tensors: Sequence[torch.Tensor], keys: Sequence[Key | None], paths: Sequence[str],
                   sources: Sequence[int], receivers: Sequence[int], rates: Sequence[Sequence[int]],
-                  pull: str = "planned") -> list[Pull]:
-    """Each receiver's pieces, every tensor from the sources that hold the receiver's copy of it."""
+                  pull: str = "planned", copies: Callable[[int], int | None] | None = None,
+                  from_copies: set[tuple[int, int]] | None = None) -> list[Pull]:
+    """Each receiver's pieces, every tensor from the sources that hold the receiver's copy of it.
+
+    ``copies``: where no source holds a receiver's copy of a tensor, the rank that keeps a
+    redundant copy of that receiver's shards (:mod:`tmrun.redundancy`), if it is a source; such
+    pieces are added to ``from_copies`` as ``(receiver, tensor index)``: their source sends them
+    from its copy, not from its own tensor.
+    """
     if all(key is None for key in keys):
         return pull_plans(tensors, sources, receivers, rates, pull)
     plans = []
@@ -67,6 +74,11 @@ def replica_pulls(tensors: Sequence[torch.Tensor], keys: Sequence[Key | None], p
         for index, key in enumerate(keys):
             mine = key(dst) if key is not None else None
             holders = tuple(src for src in sources if key is None or (mine is not None and key(src) == mine))
+            keeper = copies(dst) if copies is not None and not holders else None
+            if keeper is not None and keeper in sources:
+                holders = (keeper,)
+                if from_copies is not None:
+                    from_copies.add((dst, index))
             if not holders:
                 raise NoReplica(f"no surviving rank holds rank {dst}'s copy of {paths[index]} "
                                 f"(its holders hold key {mine}; sources {list(sources)})")

@@ -40,6 +40,7 @@ from tmrun.channel import AgentChannel
 from tmrun.groups import Group, RealGroup, SandboxGroup
 from tmrun.native import NativeGroups, NativeResize
 from tmrun.phases import Phase, Phases
+from tmrun.redundancy import Redundancy
 from tmrun.shares import Share, iterate
 from tmrun.swap import (Exchange, GroupSpec, Handover, Leave, ModelMismatch, NextGroup, StateLost, TakeOver,
                          exchange_state, flatten, hand_over, portable)
@@ -84,7 +85,7 @@ class Run:
 
     def __init__(self, identity: Identity, group: Group, *, channel: AgentChannel | None = None,
                  max_retries: int = 3, warmup: int = 3, group_timeout: float = 120.0,
-                 recover_timeout: float = 300.0) -> None:
+                 recover_timeout: float = 300.0, redundancy: int = 0) -> None:
         self.identity = identity
         self.group = group
         self.channel = channel
@@ -114,6 +115,8 @@ class Run:
         self._last_progress = 0.0
         self._step_times: collections.deque = collections.deque(maxlen=64)  # (seconds, during phase 1)
         self._native: NativeGroups | None = None  # run.process_group and run.device_mesh, once asked for
+        # --redundancy: snapshots every ``redundancy`` steps, a neighbour's shards kept (tmrun/redundancy.py)
+        self._redundancy = Redundancy(redundancy, group_timeout) if redundancy > 0 else None
 
     # ------------------------------------------------------------------ identity
     @property
@@ -211,10 +214,14 @@ class Run:
         ok = self._error is None
         ready = self._ready_to_switch()
         votes = torch.tensor([1.0 if ok else 0.0, 1.0 if ready else 0.0])
+        if self._redundancy is not None:  # a third vote: this rank's snapshot is complete
+            votes = torch.cat([votes, torch.tensor([1.0 if self._redundancy.vote() else 0.0])])
         try:
             self.group.all_reduce(votes, "sum").wait()
             agreed = ok and int(votes[0].item()) == self.group.contributors
             self._switch = agreed and ready and int(votes[1].item()) == self.group.contributors
+            if self._redundancy is not None and int(votes[2].item()) == self.group.contributors:
+                self._redundancy.agree()  # every rank's snapshot is complete: the one to roll back to
         except RuntimeError as exc:  # the vote itself failed: a peer is gone
             self.latch(exc, group_failed=True)
             agreed = False
@@ -267,6 +274,7 @@ class Run:
                 continue
             tries = 0
             self.step += 1
+            self._snapshot_if_due()
             self._step_times.append((time.monotonic() - started, self.phase is Phase.PREPARING))
             self._report_progress(time.monotonic() - started)
             if self._switch:
@@ -275,6 +283,22 @@ class Run:
                 self._fail_over()
         self._finish_pending_switch()
         self._phase.move(Phase.FINISHED, f"the loop ended at step {self.step} of {total}")
+
+    def _snapshot_if_due(self) -> None:
+        """--redundancy: every N committed steps, copy this rank's state and send its shards to its
+        left neighbour in the background (:mod:`tmrun.redundancy`); nothing when nothing is sharded."""
+        redundancy = self._redundancy
+        if redundancy is None or not isinstance(self.group, RealGroup) or not redundancy.due(self.step):
+            return
+        keys: list = []
+        tensors, leaves = flatten({name: obj.state_dict() for name, obj in self._tracked.items()}, keys=keys)
+        keyed = [key is not None for key in keys]
+        if not any(keyed):
+            return  # every tensor has a replica on every rank: the replicas are the redundancy
+        try:
+            redundancy.start(self.group, self.generation, self.step, [t for _, t in tensors], keyed, portable(leaves))
+        except RuntimeError as exc:  # a neighbour is gone: the failure is handled by the next step's vote
+            self._warn("a redundant snapshot could not start", exc)
 
     def _finish_pending_switch(self) -> None:
         """The last step ran while a swap was prepared: hand the final state to the joiner anyway,
@@ -495,6 +519,9 @@ class Run:
         self.group.close()
         if self._native is not None:
             self._native.close()
+        if self._redundancy is not None:  # keep the agreed snapshot, let go of the connections
+            self._redundancy.pending = None
+            self._redundancy.drop_group()
         self.channel.send("broken", gen=self.generation, step=self.step, error=str(self._error)[:500])
         self._join_next(time.monotonic() if started is None else started, my_step=self.step)
 
@@ -539,7 +566,12 @@ class Run:
             self._native.check_size(spec.world_size)
             self._native.rebind(spec.rank, self._tracked.values())
         result = exchange_state(group, self._tracked, self.step if my_step is None else my_step,
-                                self.group_timeout, rates=pending.rates)
+                                self.group_timeout, rates=pending.rates, redundancy=self._redundancy)
+        if self._redundancy is not None:
+            self._redundancy.new_generation()
+        if result.rolled_back:
+            self._warn(f"rolled back to step {result.step}", "a lost rank's shards came from its neighbour's "
+                       "redundant copy, and every rank went back to that copy's step")
         old = self.group
         self.group = group
         if self._native is not None:
@@ -573,6 +605,7 @@ class Run:
                   "bytes_received": result.bytes_received + handover, "from_leaver": handover,
                   "handover_s": round(handover_s, 4), "handover_error": handover_error, "build_error": build_error,
                   "sources": len(result.sources), "predicted_s": result.predicted, **self._phase1_step_times(),
+                  "rolled_back": result.rolled_back,
                   # what each source sent this receiver: [bytes, seconds] (its agent keeps the rates)
                   "links": {str(src): [size, round(seconds, 6)] for src, (size, seconds) in result.links.items()},
                   "probed": {str(src): round(rate, 1) for src, rate in (probed or {}).items()}}  # phase 1's probe, bytes/s
@@ -665,6 +698,7 @@ def init(*, timeout: float = 60.0, env: Mapping[str, str] | None = None) -> Run:
     env = os.environ if env is None else env
     identity = Identity.from_env(env)
     collective = float(env.get("TMRUN_COLLECTIVE_TIMEOUT", "120"))
+    redundancy = int(env.get("TMRUN_REDUNDANCY_EVERY", "0")) if env.get("TMRUN_REDUNDANCY", "0") == "1" else 0
     channel = None
     if env.get("TMRUN_AGENT_SOCKET") and identity.role != "single":
         channel = AgentChannel(env["TMRUN_AGENT_SOCKET"])
@@ -674,14 +708,14 @@ def init(*, timeout: float = 60.0, env: Mapping[str, str] | None = None) -> Run:
     if identity.role == "standby":  # not in any generation until promoted
         identity = dataclasses.replace(identity, generation=0)
         return Run(identity, SandboxGroup(identity.rank, identity.world_size), channel=channel,
-                   group_timeout=collective)
+                   group_timeout=collective, redundancy=redundancy)
     delta = datetime.timedelta(seconds=timeout)
     is_master = identity.rank == 0 and not identity.agent_store
     store = dist.TCPStore(identity.master_addr, identity.master_port, identity.world_size, is_master,
                           timeout=delta, wait_for_workers=False, multi_tenant=not identity.agent_store)
     prefix = dist.PrefixStore(f"tmrun/gen{identity.generation}", store)
     group = RealGroup(prefix, identity.rank, identity.world_size, datetime.timedelta(seconds=collective))
-    return Run(identity, group, channel=channel, group_timeout=collective)
+    return Run(identity, group, channel=channel, group_timeout=collective, redundancy=redundancy)
 
 
 __all__ = ["init", "Run", "StepFailed", "Identity", "Share"]

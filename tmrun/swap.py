@@ -59,6 +59,7 @@ import torch.distributed as dist
 
 from tmrun.groups import RealGroup
 from tmrun.pull import probe_links, tags_used, transfer
+from tmrun.redundancy import Redundancy, restore
 from tmrun.replicas import Key, NoReplica, key_of, local, replica_pulls
 
 log = logging.getLogger("tmrun.swap")
@@ -348,15 +349,19 @@ class Exchange:
     # the seconds are an upper bound (the receives are waited for in the order they were posted)
     links: dict[int, tuple[int, float]] = dataclasses.field(default_factory=dict)
     predicted: float | None = None  # on a receiver: its plan's finish (s), when every rate it used was measured
+    rolled_back: bool = False  # a lost shard came from a redundant copy: everyone went back to its snapshot
 
 
 def exchange_state(group: RealGroup, tracked: dict[str, Any], my_step: int, timeout: float, *,
-                   rates: dict[int, float] | None = None, pull: str = "planned") -> Exchange:
+                   rates: dict[int, float] | None = None, pull: str = "planned",
+                   redundancy: Redundancy | None = None) -> Exchange:
     """Phase 2 on the new group: agree on the step, then pull the state from the sources.
 
     ``rates``: this rank's measured links, ``{source rank: bytes/s}`` (phase 1's probe, or what
     its agent kept); they travel in the header, so every rank plans every receiver's pull alike
-    (:mod:`tmrun.pull`; ``pull`` picks how).
+    (:mod:`tmrun.pull`; ``pull`` picks how). ``redundancy``: this rank's snapshots; when a
+    receiver's shard has no replica, every source rolls back to the agreed snapshot and the
+    receiver's shard comes from its left neighbour's copy (:mod:`tmrun.redundancy`).
     """
     states = {name: obj.state_dict() for name, obj in tracked.items()}
     keys: list[Key | None] = []
@@ -366,7 +371,8 @@ def exchange_state(group: RealGroup, tracked: dict[str, Any], my_step: int, time
     for src, rate in (rates or {}).items():
         if 0 <= src < group.size and rate > 0:
             row[src] = int(min(rate, 2 ** 62))
-    header = torch.tensor([my_step, _signature(tensors), *row], dtype=torch.int64)
+    held = redundancy.holds() if redundancy is not None else -1
+    header = torch.tensor([my_step, _signature(tensors), held, *row], dtype=torch.int64)
     everyone = group.all_gather(header)
     steps = [int(h[0]) for h in everyone]
     top = max(steps)
@@ -379,18 +385,58 @@ def exchange_state(group: RealGroup, tracked: dict[str, Any], my_step: int, time
     me = group.rank
     if not receivers:
         return Exchange(top, sources, receivers, 0)
+    live = [t for _, t in tensors]
+    paths, rows = [p for p, _ in tensors], [h[3:].tolist() for h in everyone]
+    sending = None
     try:  # every rank plans alike, so every rank raises alike
-        plans = replica_pulls([t for _, t in tensors], keys, [p for p, _ in tensors], sources, receivers,
-                              [h[2:].tolist() for h in everyone], pull)
+        plans = replica_pulls(live, keys, paths, sources, receivers, rows, pull)
     except NoReplica as exc:
-        raise StateLost(f"{exc}: a shard that only the lost rank held is gone (no replica, no redundant "
-                        "copy); the job must restart from a checkpoint") from None
-    received, links = transfer(group, [t for _, t in tensors], plans)
+        snapshot = _agreed_snapshot([int(h[2]) for h in everyone], sources)
+        if snapshot < 0:
+            raise StateLost(f"{exc}: a shard that only the lost rank held is gone (no replica, no redundant "
+                            "copy); the job must restart from a checkpoint") from None
+        from_copies: set[tuple[int, int]] = set()
+        try:  # the lost shards come from their keepers' copies, everything else from the rolled-back sources
+            plans = replica_pulls(live, keys, paths, sources, receivers, rows, pull,
+                                  copies=lambda dst: (dst - 1) % group.size, from_copies=from_copies)
+        except NoReplica as lost:
+            raise StateLost(f"{lost}: neither a replica nor a redundant copy survived (two neighbours lost?); "
+                            "the job must restart from a checkpoint") from None
+        top = snapshot
+        if me in sources:  # roll back to the agreed snapshot
+            assert redundancy is not None and redundancy.agreed is not None
+            restore(redundancy.agreed, live)
+            leaves = redundancy.agreed.leaves
+            _load_leaves(tracked, states, leaves)
+            sending = _from_copy(redundancy, keys, from_copies, live)
+    received, links = transfer(group, live, plans, sending)
     blob = _leaf_blob(group, leaves, sources[0], receivers, tags_used(plans))
     if me in receivers:
         _load_leaves(tracked, states, blob)
     predicted = next((plan.predicted for plan in plans if plan.receiver == me), None)
-    return Exchange(top, sources, receivers, received, links, predicted)
+    return Exchange(top, sources, receivers, received, links, predicted, rolled_back=top != max(steps))
+
+
+def _agreed_snapshot(held: list[int], sources: tuple[int, ...]) -> int:
+    """The snapshot every source agreed on (:mod:`tmrun.redundancy`), -1 when they hold none or differ."""
+    steps = {held[src] for src in sources}
+    return steps.pop() if len(steps) == 1 else -1
+
+
+def _from_copy(redundancy: Redundancy, keys: list[Key | None], from_copies: set[tuple[int, int]],
+               live: list[torch.Tensor]) -> Callable[[int, int], torch.Tensor]:
+    """What this source sends of tensor ``index`` to ``receiver``: its copy of the receiver's shard
+    where the plan says so, else its own (rolled back) tensor."""
+    snapshot = redundancy.agreed
+    assert snapshot is not None
+    position = {index: n for n, index in enumerate(i for i, key in enumerate(keys) if key is not None)}
+
+    def sending(receiver: int, index: int) -> torch.Tensor:
+        if (receiver, index) in from_copies:
+            return snapshot.neighbour[position[index]]
+        return live[index]
+
+    return sending
 
 
 def _check_signatures(signatures: list[int], reference: int, me: int) -> None:
