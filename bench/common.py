@@ -176,7 +176,8 @@ class TmrunJob:
     """A local tmrun cluster running ``examples/train_gpt.py`` (or ``script``) with a step log."""
 
     def __init__(self, workdir: Path, script_args: Sequence[str], *, nnodes: int = 2, standby: int = 1,
-                 conf: str = TMRUN_CONF, script: Path = GPT, name: str = "bench") -> None:
+                 conf: str = TMRUN_CONF, script: Path = GPT, name: str = "bench",
+                 flags: Sequence[str] = ()) -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.step_log = self.workdir / "steps.jsonl"
@@ -185,7 +186,7 @@ class TmrunJob:
         self.env = {**os.environ, "TMRUN_RUNTIME_DIR": str(self.workdir / "runtime"), "PYTHONUNBUFFERED": "1"}
         self.env.pop("TMRUN_JOB", None)
         argv = [sys.executable, "-m", "tmrun.cli", "--nnodes", str(nnodes), "--standby", str(standby),
-                "--rdzv-id", self.job, "--rdzv-conf", conf, str(script), *script_args,
+                "--rdzv-id", self.job, "--rdzv-conf", conf, *flags, str(script), *script_args,
                 "--step-log", str(self.step_log)]
         self.out = open(self.workdir / "tmrun.out", "w")
         self.err = open(self.workdir / "tmrun.err", "w")

@@ -29,6 +29,9 @@ group's size for a standby to take any rank. Output (rank 0)::
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -52,7 +55,64 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hsdp", action="store_true", help="HSDP: a (2, world/2) mesh, replicate x shard")
     p.add_argument("--out", type=Path, default=None, help="rank 0 saves the final (gathered) state_dict here")
     p.add_argument("--log-every", type=positive_int, default=10, help="log every N steps (default 10)")
+    p.add_argument("--ckpt-dir", type=Path, default=None,
+                   help="each rank saves its shards to DIR/rank<R>.pt every --ckpt-every steps and resumes from them "
+                   "(what a torchrun job needs to survive a restart; tmrun's hot swap does not)")
+    p.add_argument("--ckpt-every", type=positive_int, default=10, help="checkpoint every N steps (default 10)")
+    p.add_argument("--step-log", type=Path, default=None,
+                   help="rank 0 appends one JSON line per committed step (bench/), every rank one at the end")
     return p
+
+
+def _local(state):
+    """A state_dict with every DTensor replaced by this rank's shard (what this rank saves)."""
+    if hasattr(state, "to_local"):
+        return state.to_local()
+    if isinstance(state, dict):
+        return {k: _local(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_local(v) for v in state]
+    return state
+
+
+def save_shards(model, opt, step: int, path: Path) -> None:
+    """This rank's shards of the model and optimizer, and the step (loaded with weights_only=True)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    torch.save({"model": _local(model.state_dict()), "optimizer": _local(opt.state_dict()), "step": step}, tmp)
+    os.replace(tmp, path)
+
+
+def load_shards(model, opt, path: Path) -> int:
+    """The reverse of :func:`save_shards`: shards back into the model, the optimizer's state as
+    DTensors placed like their parameters; the step to resume from."""
+    from torch.distributed.tensor import DTensor
+
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    with torch.no_grad():
+        for name, value in model.state_dict().items():
+            value.to_local().copy_(saved["model"][name])
+    params = [p for group in opt.param_groups for p in group["params"]]
+    state = saved["optimizer"]
+    for index, entries in state["state"].items():
+        param = params[int(index)]
+        for key, value in entries.items():
+            if value.dim() and isinstance(param, DTensor):
+                entries[key] = DTensor.from_local(value, param.device_mesh, param.placements,
+                                                  shape=param.shape, stride=param.stride())
+    opt.load_state_dict(state)
+    return int(saved["step"])
+
+
+def _append(path: Path | None, record: dict) -> None:
+    """One JSON line in one write(2) with O_APPEND: lines of several processes never interleave."""
+    if path is None:
+        return
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps({"v": 1, "t": time.time(), **record}) + "\n").encode())
+    finally:
+        os.close(fd)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.optim_groups(WEIGHT_DECAY), lr=args.lr, betas=BETAS, eps=EPS)
     run.track(model=model, optimizer=opt)
+    ckpt = args.ckpt_dir / f"rank{run.rank}.pt" if args.ckpt_dir is not None and run.role != "standby" else None
+    if ckpt is not None and ckpt.exists():
+        run.step = load_shards(model, opt, ckpt)
+        log(f"resumed from step {run.step}", flush=True)
     log(f"model n_layer={cfg.n_layer} n_head={cfg.n_head} n_embd={cfg.n_embd} block_size={cfg.block_size} "
         f"params={n_params} world_size={world} mesh={shape}", flush=True)
 
@@ -96,6 +160,11 @@ def main(argv: list[str] | None = None) -> int:
         if not committed:
             continue
         since += 1
+        if run.is_main:
+            _append(args.step_log, {"step": step + 1, "rank": run.rank, "pid": os.getpid(), "world": world,
+                                    "gen": run.generation})
+        if ckpt is not None and ((step + 1) % args.ckpt_every == 0 or step + 1 == args.steps):
+            save_shards(model, opt, step + 1, ckpt)
         if log_now:
             now = time.perf_counter()
             log(f"step {step + 1} loss {mean_loss.item():.4f} step_time {(now - t_last) / since:.3f}", flush=True)
@@ -103,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if run.role == "standby":  # shadow iterations only: nobody promoted this standby
         return 0
+    _append(args.step_log, {"event": "done", "rank": run.rank, "pid": os.getpid(),
+                            "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss})
     final = {k: v.full_tensor().detach() for k, v in model.state_dict().items()}  # a collective: every rank
     if run.is_main:
         if args.out is not None:

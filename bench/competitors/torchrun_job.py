@@ -134,7 +134,7 @@ def start_job(train_args: list[str], *, nodes: tuple[str, ...] | list[str] = ("n
               port: int | None = None, log_dir: Path | None = None, max_restarts: int = 3,
               rdzv_id: str = "torchrun-gpt", rdzv_conf: dict | None = None,
               monitor_interval: float = MONITOR_INTERVAL, env: dict | None = None,
-              nnodes: str | None = None) -> Job:
+              nnodes: str | None = None, script: Path = SCRIPT) -> Job:
     """Start one torchrun agent per node name; they rendezvous among themselves.
 
     ``nnodes`` (``"MIN:MAX"``) makes the job elastic; by default it is the number of nodes.
@@ -148,7 +148,7 @@ def start_job(train_args: list[str], *, nodes: tuple[str, ...] | list[str] = ("n
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="torchrun-job-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     options = dict(max_restarts=max_restarts, rdzv_id=rdzv_id, rdzv_conf=rdzv_conf,
-                   monitor_interval=monitor_interval, env=env, nnodes=nnodes or str(len(nodes)))
+                   monitor_interval=monitor_interval, env=env, nnodes=nnodes or str(len(nodes)), script=script)
     started = time.time()
     job = Job([], list(train_args), port, log_dir, started, options)
     for name in nodes:
@@ -160,7 +160,8 @@ def add_node(job: Job, name: str) -> Node:
     """Start one more agent with the job's command line (an elastic job grows by it, with a restart)."""
     o = job.options
     cmd = agent_command(job.port, job.train_args, nnodes=o["nnodes"], max_restarts=o["max_restarts"],
-                        rdzv_id=o["rdzv_id"], rdzv_conf=o["rdzv_conf"], monitor_interval=o["monitor_interval"])
+                        rdzv_id=o["rdzv_id"], rdzv_conf=o["rdzv_conf"], monitor_interval=o["monitor_interval"],
+                        script=o.get("script", SCRIPT))
     full_env = {**os.environ, "LOGLEVEL": "INFO", **NO_SHARED_STORE, **(o["env"] or {})}
     log = job.log_dir / f"{name}.log"
     with open(log, "ab") as out:
@@ -216,7 +217,7 @@ def _signal(pid: int, sig: int) -> bool:
 def kill_worker(job: Job, node: str = "node1", sig: int = signal.SIGKILL, timeout: float = 30.0) -> tuple[int, float]:
     """``kill -9`` the worker of ``node`` (not its agent); ``(pid, time.time() of the kill)``."""
     deadline = time.monotonic() + timeout
-    while not (pids := worker_pids(job.node(node))):
+    while not (pids := worker_pids(job.node(node), job.options.get("script", SCRIPT))):
         if time.monotonic() > deadline:
             raise TimeoutError(f"{node} has no worker to kill")
         time.sleep(0.05)

@@ -1,0 +1,161 @@
+"""Torch-native FSDP2 under tmrun against torchrun: a drain, a failure, and what ``--redundancy 1`` costs.
+
+The script is ``examples/train_gpt_fsdp.py`` (torch's ``fully_shard`` on a mesh from the tmrun
+runtime), the same under both launchers and in every run: ``--params`` (default 50M), batch 1 of
+``--block-size`` bytes (CPU), one intra-op thread, a step log. Per run of this script, side by
+side:
+
+- **steady state**: ``tmrun --nnodes N`` without, then with ``--redundancy 1 --redundancy-every E``:
+  the median step time after warm-up (throughput ratio on/off; goal >= 98%) and each rank's peak
+  RSS (``maxrss`` at the end; the difference is the host memory a redundant copy costs);
+- **drain** (planned): ``tmrun --nnodes N --standby 1``, ``tmrun drain`` of rank 1's node at step
+  K: the leaver hands its shards to the warm standby;
+- **kill -9** (unplanned): the same with ``--redundancy 1``: rank 1's worker SIGKILLed at step K;
+  every rank rolls back to the last agreed copy and the standby takes the lost shards from its
+  left neighbour's copy;
+- **torchrun**: the same script under one torchrun agent per "node" (``bench/competitors``),
+  sharded checkpoints every C steps (``--ckpt-dir``): a worker SIGKILLed at step K (torchrun
+  restarts every worker, they reload and recompute), and a planned move (stop, start again with
+  the replacement node, reload).
+
+Each event's cost is ``common.interruption`` on the step log: the time from the last step before
+the event to the first new step after it, less a median step per step, recomputed steps counted
+as lost. Output: a table, ``bench/results/native.json`` and ``bench/results/native.md``::
+
+    flock /tmp/tmrun-bench.lock python bench/native.py [--params 50M --nodes 2 --steps 40 --at 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import common
+from competitors import torchrun_job as tj
+
+NAME = "native"
+SCRIPT = common.REPO / "examples" / "train_gpt_fsdp.py"
+
+
+def train_args(args: argparse.Namespace) -> list[str]:
+    return ["--params", args.params, "--steps", str(args.steps), "--batch-size", "1", "--block-size",
+            str(args.block_size), "--threads", "1", "--log-every", "5"]
+
+
+def median_step(steps: list[dict], skip: int) -> float:
+    gaps = [dt for _, dt in common.step_times(steps)[skip:]]
+    return statistics.median(gaps)
+
+
+def peak_rss_mib(workdir: Path) -> list[float]:
+    _, done = common.read_log(workdir / "steps.jsonl")
+    return sorted(round(r["maxrss_kb"] / 1024, 1) for r in done if "maxrss_kb" in r)
+
+
+def run_tmrun(args: argparse.Namespace, name: str, *, standby: int, flags: list[str], event: str | None) -> dict:
+    wd = common.workdir(f"native-{name}")
+    job = common.TmrunJob(wd, train_args(args), nnodes=args.nodes, standby=standby, script=SCRIPT, name=name,
+                          flags=flags)
+    t_event = None
+    try:
+        if standby:
+            job.wait_hot(standby, args.timeout, interval=1.0)
+        common.wait_for_step(job.step_log, args.at, args.timeout, [job.proc])
+        if event is not None:
+            if event == "drain":
+                t_event, _, _ = job.drain(job.node_of_rank(1)["node"], wait=False)
+            else:
+                t_event = job.kill_worker(1)
+        code = job.wait(args.timeout)
+        if code != 0:
+            raise RuntimeError(f"the tmrun job exited {code} (see {wd})")
+        steps, _ = common.read_log(job.step_log)
+        rss = peak_rss_mib(wd)
+        restarts = "started generation 2" in (wd / "tmrun.err").read_text(errors="replace")
+    finally:
+        job.stop()
+        job.out.close()
+        job.err.close()
+    result = {"run": name, "launcher": "tmrun", "flags": flags, "standby": standby, "event": event,
+              "median_step_s": median_step(steps, args.skip), "peak_rss_mib": rss, "restarted": restarts}
+    if t_event is not None:
+        result["interruption"] = common.interruption(steps, t_event).to_dict()
+    shutil.rmtree(wd, ignore_errors=True)
+    return result
+
+
+def run_torchrun(args: argparse.Namespace, name: str, event: str) -> dict:
+    wd = common.workdir(f"native-{name}")
+    log = wd / "steps.jsonl"
+    train = [*train_args(args), "--ckpt-dir", str(wd / "ckpt"), "--ckpt-every", str(args.ckpt_every),
+             "--step-log", str(log)]
+    nodes = tuple(f"node{i}" for i in range(args.nodes))
+    job = tj.start_job(train, nodes=nodes, log_dir=wd / "logs", rdzv_id=f"native-{time.time_ns()}", script=SCRIPT)
+    try:
+        tj.wait_for_step(log, args.at, job, timeout=args.timeout)
+        if event == "kill":
+            _, t_event = tj.kill_worker(job, "node1")
+        else:
+            job, info = tj.migrate(job, "node1", f"node{args.nodes}", timeout=args.timeout)
+            t_event = info["t"]
+        codes = job.wait(args.timeout)
+        if any(codes):
+            raise RuntimeError(f"torchrun agents exited {codes} (see {wd})")
+    finally:
+        job.kill()
+    steps, _ = common.read_log(log)
+    inter = common.interruption(steps, t_event)
+    shutil.rmtree(wd, ignore_errors=True)
+    return {"run": name, "launcher": "torchrun", "event": event, "median_step_s": median_step(steps, args.skip),
+            "interruption": inter.to_dict()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--params", default="50M")
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--at", type=int, default=20, help="the event's step")
+    p.add_argument("--every", type=int, default=5, help="--redundancy-every")
+    p.add_argument("--ckpt-every", type=int, default=10, help="torchrun's checkpoint interval")
+    p.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the median")
+    p.add_argument("--timeout", type=float, default=900.0)
+    args = p.parse_args(argv)
+    redundancy = ["--redundancy", "1", "--redundancy-every", str(args.every)]
+    runs = [run_tmrun(args, "steady-off", standby=0, flags=[], event=None),
+            run_tmrun(args, "steady-on", standby=0, flags=redundancy, event=None),
+            run_tmrun(args, "drain", standby=1, flags=[], event="drain"),
+            run_tmrun(args, "kill", standby=1, flags=redundancy, event="kill"),
+            run_torchrun(args, "torchrun-kill", "kill"),
+            run_torchrun(args, "torchrun-move", "move")]
+    by = {r["run"]: r for r in runs}
+    off, on = by["steady-off"], by["steady-on"]
+    summary = {
+        "throughput_on_vs_off": off["median_step_s"] / on["median_step_s"],
+        "rss_extra_mib_per_rank": [round(b - a, 1) for a, b in zip(off["peak_rss_mib"], on["peak_rss_mib"])],
+        "planned_tmrun_s": by["drain"]["interruption"]["downtime"],
+        "planned_torchrun_s": by["torchrun-move"]["interruption"]["downtime"],
+        "failure_tmrun_s": by["kill"]["interruption"]["downtime"],
+        "failure_torchrun_s": by["torchrun-kill"]["interruption"]["downtime"],
+    }
+    summary["planned_ratio"] = summary["planned_torchrun_s"] / max(summary["planned_tmrun_s"], 1e-3)
+    summary["failure_ratio"] = summary["failure_torchrun_s"] / max(summary["failure_tmrun_s"], 1e-3)
+    doc = {"machine": common.machine(), "command": common.command_line(), "args": vars(args), "runs": runs,
+           "summary": summary}
+    common.save(NAME, doc)
+    rows = [(r["run"], r["launcher"], r.get("event") or "-", f"{r['median_step_s']:.3f}",
+             r.get("interruption", {}).get("downtime", "-"), r.get("interruption", {}).get("recomputed", "-"),
+             r.get("peak_rss_mib", "-")) for r in runs]
+    common.print_table(f"FSDP2 GPT {args.params}, {args.nodes} ranks", ["run", "launcher", "event", "median step s",
+                                                                         "lost s", "recomputed", "peak RSS MiB"], rows)
+    print(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
