@@ -14,6 +14,7 @@ run rebalancing.py --size 5M --period 30 --rounds 4
 run etcd_failure.py
 run elastic.py
 run pull.py
+run native.py --params 50M --steps 30 --at 15 --every 5
 run link_event.py --cuts 3
 echo "== python -m bench.control_plane_scale"
 flock /tmp/tmrun-bench.lock python -m bench.control_plane_scale || echo "!! bench.control_plane_scale failed"
