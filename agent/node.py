@@ -668,6 +668,8 @@ class NodeAgent:
             return
         self._role.move(Role.ENDED, f"generation {gen}'s workers ended ({result.state})")
         if result.state == "failed":
+            if self._group is not None:  # their last words (the runtime's ``failed``) go with the exit
+                await self._channel.drained(self._group.pids, 1.0)
             log.warning("%s generation %d: worker rank %s exited with %s", self.cfg.node, gen, result.rank,
                         result.exitcode)
         await self._report(dataclasses.replace(self._run, gen=gen, state=result.state, exitcode=result.exitcode,

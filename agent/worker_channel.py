@@ -30,6 +30,7 @@ class WorkerChannel:
         self._on_message = on_message
         self._writers: dict[int, asyncio.StreamWriter] = {}  # pid -> connection
         self._queued: dict[int, list[bytes]] = {}
+        self._ended: dict[int, asyncio.Event] = {}  # pid -> set once its connection was read to the end
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self) -> None:
@@ -49,6 +50,7 @@ class WorkerChannel:
                 if message["type"] == "hello" and not pid:
                     pid = message["pid"]
                     self._writers[pid] = writer
+                    self._ended.setdefault(pid, asyncio.Event())
                     for data in self._queued.pop(pid, []):
                         writer.write(data)
                     await writer.drain()
@@ -66,6 +68,8 @@ class WorkerChannel:
         finally:
             if pid and self._writers.get(pid) is writer:
                 del self._writers[pid]
+            if pid:
+                self._ended.setdefault(pid, asyncio.Event()).set()
             writer.close()
 
     def connected(self, pid: int) -> bool:
@@ -86,9 +90,20 @@ class WorkerChannel:
         except (ConnectionError, OSError):
             pass
 
+    async def drained(self, pids: tuple[int, ...], timeout: float) -> None:
+        """Until every line the workers ``pids`` wrote before they exited was handled (their
+        connections read to the end), at most ``timeout`` seconds: a worker says why it fails just
+        before it exits, and the exit must not be reported without it."""
+        waits = [asyncio.ensure_future(self._ended[pid].wait()) for pid in pids if pid in self._ended]
+        if waits:
+            _, pending = await asyncio.wait(waits, timeout=timeout)
+            for wait in pending:
+                wait.cancel()
+
     def forget(self, pids: tuple[int, ...]) -> None:
         for pid in pids:
             self._queued.pop(pid, None)
+            self._ended.pop(pid, None)
 
     async def close(self) -> None:
         if self._server is not None:
