@@ -51,8 +51,11 @@ import argparse
 import ctypes
 import dataclasses
 import hashlib
+import json
 import math
+import os
 import re
+import time
 from pathlib import Path
 
 import torch
@@ -225,6 +228,18 @@ def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def append_record(path: Path | None, record: dict) -> None:
+    """One JSON line (``{"v": 1, "t": unix time, **record}``) appended to ``path`` in one write(2)
+    with O_APPEND, so that lines of several processes never interleave (the scripts' step logs)."""
+    if path is None:
+        return
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps({"v": 1, "t": time.time(), **record}) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
 def load_corpus(path: str | Path) -> torch.Tensor:
     """The bytes of ``path`` as a 1-D uint8 CPU tensor (the token stream)."""
     raw = Path(path).read_bytes()
@@ -318,5 +333,5 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
                    help="torch intra-op threads (default 0: leave torch's choice)")
 
 
-__all__ = ["parse_count", "positive_int", "add_training_args", "BETAS", "EPS", "WEIGHT_DECAY", "DEFAULT_DATA", "GPTConfig", "GPT", "config_for_params", "count_params", "batch", "load_corpus",
+__all__ = ["append_record", "parse_count", "positive_int", "add_training_args", "BETAS", "EPS", "WEIGHT_DECAY", "DEFAULT_DATA", "GPTConfig", "GPT", "config_for_params", "count_params", "batch", "load_corpus",
            "step_seed", "state_sha256", "VOCAB"]

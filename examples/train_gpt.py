@@ -46,7 +46,6 @@ the number of intra-op threads; ``--threads N`` pins it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import sys
@@ -61,8 +60,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import tmrun  # noqa: E402
-from gpt_model import (BETAS, EPS, GPT, VOCAB, WEIGHT_DECAY, add_training_args, batch, config_for_params,  # noqa: E402
-                       count_params, load_corpus, parse_count, positive_int, state_sha256)
+from gpt_model import (BETAS, EPS, GPT, VOCAB, WEIGHT_DECAY, add_training_args, append_record, batch,  # noqa: E402
+                       config_for_params, count_params, load_corpus, parse_count, positive_int, state_sha256)
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -78,15 +77,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _append(path: Path | None, record: dict) -> None:
-    """One JSON line in one write(2) with O_APPEND, so that lines of several processes never interleave."""
-    if path is None:
-        return
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, (json.dumps({"v": 1, "t": time.time(), **record}) + "\n").encode())
-    finally:
-        os.close(fd)
 
 
 def _save(state: dict, path: Path) -> None:
@@ -150,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         since += 1
         if run.is_main:
-            _append(args.step_log, {"step": step + 1, "rank": run.rank, "pid": os.getpid(), "world": run.world_size,
-                                    "gen": run.generation})
+            append_record(args.step_log, {"step": step + 1, "rank": run.rank, "pid": os.getpid(),
+                                          "world": run.world_size, "gen": run.generation})
         if log_now:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -164,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.out is not None:
             _save(final, args.out)
         log(f"done steps={args.steps} params={n_params} sha256={state_sha256(final)}", flush=True)
-    _append(args.step_log, {"event": "done", "rank": run.rank, "pid": os.getpid(),
-                            "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss})
+    append_record(args.step_log, {"event": "done", "rank": run.rank, "pid": os.getpid(),
+                                  "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss})
     run.finish()
     return 0
 

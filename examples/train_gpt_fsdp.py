@@ -29,7 +29,6 @@ group's size for a standby to take any rank. Output (rank 0)::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import sys
@@ -45,8 +44,8 @@ import torch.nn.functional as F  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 import tmrun  # noqa: E402
-from gpt_model import (BETAS, EPS, GPT, VOCAB, WEIGHT_DECAY, add_training_args, batch, config_for_params,  # noqa: E402
-                       count_params, load_corpus, positive_int, state_sha256)
+from gpt_model import (BETAS, EPS, GPT, VOCAB, WEIGHT_DECAY, add_training_args, append_record, batch,  # noqa: E402
+                       config_for_params, count_params, load_corpus, positive_int, state_sha256)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,15 +103,6 @@ def load_shards(model, opt, path: Path) -> int:
     return int(saved["step"])
 
 
-def _append(path: Path | None, record: dict) -> None:
-    """One JSON line in one write(2) with O_APPEND: lines of several processes never interleave."""
-    if path is None:
-        return
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, (json.dumps({"v": 1, "t": time.time(), **record}) + "\n").encode())
-    finally:
-        os.close(fd)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         since += 1
         if run.is_main:
-            _append(args.step_log, {"step": step + 1, "rank": run.rank, "pid": os.getpid(), "world": world,
-                                    "gen": run.generation})
+            append_record(args.step_log, {"step": step + 1, "rank": run.rank, "pid": os.getpid(), "world": world,
+                                          "gen": run.generation})
         if ckpt is not None and ((step + 1) % args.ckpt_every == 0 or step + 1 == args.steps):
             save_shards(model, opt, step + 1, ckpt)
         if log_now:
@@ -172,8 +162,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if run.role == "standby":  # shadow iterations only: nobody promoted this standby
         return 0
-    _append(args.step_log, {"event": "done", "rank": run.rank, "pid": os.getpid(),
-                            "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss})
+    append_record(args.step_log, {"event": "done", "rank": run.rank, "pid": os.getpid(),
+                                  "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss})
     final = {k: v.full_tensor().detach() for k, v in model.state_dict().items()}  # a collective: every rank
     if run.is_main:
         if args.out is not None:

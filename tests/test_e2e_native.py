@@ -68,22 +68,36 @@ def references(tmp_path_factory) -> dict[tuple[str, int], Path]:
     return outs
 
 
+def _start_warm(jobs, tmp_path: Path, flags: list[str], mode: str, nodes: int, step: int):
+    """A job of the native script on ``nodes`` nodes and one standby: once the standby is warm and
+    ``step`` was committed, the job, its ref and its status (the nodes' ranks and worker pids)."""
+    job = jobs(["--nnodes", str(nodes), "--standby", "1", *flags, "--rdzv-conf", FAST,
+                str(JOB), str(tmp_path / "final.pt"), "--mode", mode, "--steps", str(STEPS), *PACE])
+    ref = job_ref(job)
+    wait_status(ref, lambda d: d["hot_swap"] and any(n["state"] == "shadow" for n in d["nodes"]), 120)
+    job.out.wait_for(rf'"step": {step}, "committed"', 120)
+    doc = wait_status(ref, lambda d: True, 10)
+    job.track()
+    return job, ref, doc
+
+
+def _kill(doc: dict, rank: int) -> dict:
+    """SIGKILL the worker of ``rank``; its node's status row."""
+    target = next(n for n in doc["nodes"] if n["ranks"] == [rank])
+    os.kill(target["worker_pids"][0], signal.SIGKILL)
+    return target
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_native_parallelism_hot_swap(case: Case, jobs, tmp_path, references):
-    job = jobs(["--nnodes", str(case.nodes), "--standby", "1", "--rdzv-conf", FAST,
-                str(JOB), str(tmp_path / "final.pt"), "--mode", case.mode, "--steps", str(STEPS), *PACE])
-    ref = job_ref(job)
-    wait_status(ref, lambda d: d["hot_swap"] and any(n["state"] == "shadow" for n in d["nodes"]), 120)
-    job.out.wait_for(rf'"step": {case.step}, "committed"', 120)
-    doc = wait_status(ref, lambda d: True, 10)
-    job.track()
-    target = next(n for n in doc["nodes"] if n["ranks"] == [case.rank])
+    job, ref, doc = _start_warm(jobs, tmp_path, [], case.mode, case.nodes, case.step)
     if case.action == "drain":
+        target = next(n for n in doc["nodes"] if n["ranks"] == [case.rank])
         drained = run_tmrun(["drain", target["node"]], cwd=tmp_path, timeout=120)
         assert drained.returncode == 0 and "hot swap" in drained.stderr, drained.stderr
     else:
-        os.kill(target["worker_pids"][0], signal.SIGKILL)
+        target = _kill(doc, case.rank)
     final = wait_status(ref, lambda d: d["generation"] >= 2 or d["state"] != "running", 150)
     job.track()
     assert job.wait(180) == 0, job.err.text()[-4000:]
@@ -111,15 +125,8 @@ def test_fsdp_kill_9_without_a_replica_restarts_and_says_why(jobs, tmp_path, ref
     """FSDP2's shards have no replica: after a SIGKILL the survivors refuse to train on the standby's
     shadow shard (``StateLost``), the leader's decision says so, and the job restarts (the script has
     no checkpoint: it trains again from step 0 and ends with the uninterrupted run's weights)."""
-    job = jobs(["--nnodes", "4", "--standby", "1", "--max-restarts", "1", "--rdzv-conf", FAST,
-                str(JOB), str(tmp_path / "final.pt"), "--mode", "fsdp", "--steps", str(STEPS), *PACE])
-    ref = job_ref(job)
-    wait_status(ref, lambda d: d["hot_swap"] and any(n["state"] == "shadow" for n in d["nodes"]), 120)
-    job.out.wait_for(r'"step": 20, "committed"', 120)
-    doc = wait_status(ref, lambda d: True, 10)
-    job.track()
-    target = next(n for n in doc["nodes"] if n["ranks"] == [2])
-    os.kill(target["worker_pids"][0], signal.SIGKILL)
+    job, _, doc = _start_warm(jobs, tmp_path, ["--max-restarts", "1"], "fsdp", 4, 20)
+    _kill(doc, 2)
     assert job.wait(200) == 0, job.err.text()[-4000:]
     err = job.err.text()
     assert "StateLost: no surviving rank holds rank 2's copy of /model/" in err, err[-4000:]
@@ -136,16 +143,8 @@ def test_fsdp_kill_9_with_redundancy_rolls_back_and_swaps_without_a_restart(jobs
     shards come from the dead rank's left neighbour's copy, every rank goes back to that copy's step,
     and the job goes on without a restart; deterministic steps make the end bit-identical to the
     uninterrupted run, though the steps since the copy were trained twice."""
-    job = jobs(["--nnodes", "4", "--standby", "1", "--redundancy", "1", "--redundancy-every", "5",
-                "--rdzv-conf", FAST, str(JOB), str(tmp_path / "final.pt"), "--mode", "fsdp", "--steps", str(STEPS),
-                *PACE])
-    ref = job_ref(job)
-    wait_status(ref, lambda d: d["hot_swap"] and any(n["state"] == "shadow" for n in d["nodes"]), 120)
-    job.out.wait_for(r'"step": 22, "committed"', 120)
-    doc = wait_status(ref, lambda d: True, 10)
-    job.track()
-    target = next(n for n in doc["nodes"] if n["ranks"] == [2])
-    os.kill(target["worker_pids"][0], signal.SIGKILL)
+    job, ref, doc = _start_warm(jobs, tmp_path, ["--redundancy", "1", "--redundancy-every", "5"], "fsdp", 4, 22)
+    _kill(doc, 2)
     final = wait_status(ref, lambda d: d["generation"] >= 2 or d["state"] != "running", 150)
     job.track()
     assert job.wait(180) == 0, job.err.text()[-4000:]

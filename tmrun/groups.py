@@ -157,12 +157,17 @@ class RealGroup(Group):
         instead of at its collective timeout (a peer that is not a direct neighbour of a dead rank
         would otherwise wait that long)."""
         pg, self._pg, self._native = self._pg, None, None
-        if pg is None:
-            return
-        try:
-            pg.abort()
-        except (RuntimeError, AttributeError):
-            pass
+        abort(pg)
+
+
+def abort(gloo: "dist.ProcessGroupGloo | None") -> None:
+    """Abort a gloo group, whatever state it is in (the caller then drops its last reference)."""
+    if gloo is None:
+        return
+    try:
+        gloo.abort()
+    except (RuntimeError, AttributeError):
+        pass
 
 
 def _check_op(op: str) -> None:

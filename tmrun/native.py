@@ -25,7 +25,7 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from tmrun.groups import wrap
+from tmrun.groups import abort, wrap
 from tmrun.process_group import BACKEND, Guard, SwappableGroup, Transport
 
 
@@ -192,8 +192,4 @@ class _Gloo:
 
     def close(self) -> None:
         gloo, self._gloo, self.native = self._gloo, None, None
-        if gloo is not None:
-            try:
-                gloo.abort()
-            except (RuntimeError, AttributeError):
-                pass
+        abort(gloo)

@@ -33,6 +33,8 @@ from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOpti
                                         BroadcastOptions, ProcessGroup, ReduceScatterOptions, Work,
                                         _create_work_from_future)
 
+from tmrun.groups import completed
+
 BACKEND = "tmrun"
 
 
@@ -214,7 +216,7 @@ class SwappableGroup(ProcessGroup):
     def _answer(self, results: list[torch.Tensor], local: Callable[[], None]) -> dist.Work:
         local()
         self.answered += 1
-        return _create_work_from_future(_done(results))
+        return _create_work_from_future(completed(results))
 
 
 class _Latched(Work):
@@ -257,12 +259,12 @@ class _Latched(Work):
     def get_future(self) -> torch.futures.Future:
         work = self._work
         if work is None:
-            return _done(self._results)
+            return completed(self._results)
         try:
             inner = work.get_future()
         except RuntimeError:  # some of gloo's works have no future: wait, then a completed one
             self.wait()
-            return _done(self._results)
+            return completed(self._results)
 
         def settle(future: torch.futures.Future) -> list[torch.Tensor]:
             self._work = None
@@ -279,12 +281,6 @@ def _bare(error: RuntimeError) -> RuntimeError:
     """``error`` without its traceback: the run keeps the error until the step is voted, and the
     traceback's frames would keep the failed work (and with it the group's connections) alive."""
     return error.with_traceback(None)
-
-
-def _done(value) -> torch.futures.Future:
-    future: torch.futures.Future = torch.futures.Future()
-    future.set_result(value)
-    return future
 
 
 def _opts(opts, kind):

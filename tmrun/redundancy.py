@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tmrun.groups import RealGroup
+from tmrun.groups import RealGroup, abort
 
 TAG = 1 << 29
 """The snapshot's tags, far from the exchange's."""
@@ -126,6 +126,12 @@ class Redundancy:
         """The step of the agreed snapshot, -1 when none."""
         return self.agreed.step if self.agreed is not None else -1
 
+    def broken(self) -> None:
+        """The generation broke: keep the agreed snapshot (the one to roll back to), drop the one
+        under way and let go of the snapshots' connections."""
+        self.pending = None
+        self.drop_group()
+
     def new_generation(self) -> None:
         """After a switch: ranks may have changed hands; the next snapshot starts over."""
         self.pending = None
@@ -134,11 +140,7 @@ class Redundancy:
 
     def drop_group(self) -> None:
         gloo, self._gloo, self._gen = self._gloo, None, -1
-        if gloo is not None:
-            try:
-                gloo.abort()
-            except (RuntimeError, AttributeError):
-                pass
+        abort(gloo)
 
 
 def restore(snapshot: Snapshot, tensors: list[torch.Tensor]) -> None:

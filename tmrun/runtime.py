@@ -519,9 +519,8 @@ class Run:
         self.group.close()
         if self._native is not None:
             self._native.close()
-        if self._redundancy is not None:  # keep the agreed snapshot, let go of the connections
-            self._redundancy.pending = None
-            self._redundancy.drop_group()
+        if self._redundancy is not None:
+            self._redundancy.broken()
         self.channel.send("broken", gen=self.generation, step=self.step, error=str(self._error)[:500])
         self._join_next(time.monotonic() if started is None else started, my_step=self.step)
 
