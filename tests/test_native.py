@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from agent.etcd_server import free_port
+from bench.competitors import torchrun_job
 from tests.harness import assert_same_weights
 from tests.test_runtime import _clean_env
 from tmrun.pull import pull_plans
@@ -66,6 +67,36 @@ def test_a_failed_native_collective_is_latched_and_voted_not_raised(tmp_path, mo
     # the failure surfaced where the runtime says it does: not from inside backward() or the optimizer
     assert "tmrun.runtime.StepFailed: step 2 did not commit after 3 tries" in stderr, stderr[-3000:]
     assert "backward" not in stderr and "step()" not in stderr, stderr[-3000:]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_torchrun_restart_agrees_on_its_round_though_the_agents_counts_differ(tmp_path):
+    """Two torchrun agents (nodes), torch's default shared store; rank 1 SIGKILLed once at step 2.
+
+    Its agent counts a restart; the other agent's worker is still inside its paced step when the
+    new rendezvous round starts, so that agent restarts it without counting one. The restarted
+    ranks see different ``TORCHELASTIC_RESTART_COUNT`` values, and the job must still finish,
+    bit-identical to an uninterrupted run (it starts over: no checkpoint).
+    """
+    _torchrun(tmp_path, "torch.pt", "--mode", "ddp", "--torch", world=2)
+    marker = tmp_path / "killed-once"
+    job = torchrun_job.start_job([str(tmp_path / "ours.pt"), "--mode", "ddp", "--step-time", "2", "--exit-at", "2:1",
+                                  "--exit-once", str(marker)], script=JOB, log_dir=tmp_path / "logs", max_restarts=1,
+                                 env={**_clean_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"})
+    try:
+        codes = job.wait(timeout=240)
+    finally:
+        job.kill()
+    logs = {n.name: n.log.read_text() for n in job.nodes}
+    assert codes == [0, 0], logs
+    assert marker.exists()
+    finals = [json.loads(line) for text in logs.values() for line in text.splitlines()
+              if line.startswith('{"done"')]
+    gens = {e["rank"]: e["gen"] for text in logs.values() for line in text.splitlines()
+            if line.startswith('{"step"') and (e := json.loads(line))["pid"] in {f["pid"] for f in finals}}
+    assert gens[0] != gens[1], (gens, logs)  # the case that hung: counts that differ between the nodes
+    assert_same_weights(tmp_path / "ours.pt", tmp_path / "torch.pt")
 
 
 @pytest.mark.timeout(60)

@@ -36,6 +36,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from tmrun import torchrun_round
 from tmrun.channel import AgentChannel
 from tmrun.groups import Group, RealGroup, SandboxGroup
 from tmrun.native import NativeGroups, NativeResize
@@ -712,7 +713,11 @@ def init(*, timeout: float = 60.0, env: Mapping[str, str] | None = None) -> Run:
     is_master = identity.rank == 0 and not identity.agent_store
     store = dist.TCPStore(identity.master_addr, identity.master_port, identity.world_size, is_master,
                           timeout=delta, wait_for_workers=False, multi_tenant=not identity.agent_store)
-    prefix = dist.PrefixStore(f"tmrun/gen{identity.generation}", store)
+    if "TMRUN_GENERATION" in env:  # tmrun's agents number the generations for every rank alike
+        prefix = dist.PrefixStore(f"tmrun/gen{identity.generation}", store)
+    else:  # torchrun's restart counts differ between nodes: agree on the round (torchrun_round.py)
+        round_id = torchrun_round.agree(store, identity.rank, identity.world_size, timeout=timeout)
+        prefix = dist.PrefixStore(f"tmrun/run{round_id}", store)
     group = RealGroup(prefix, identity.rank, identity.world_size, datetime.timedelta(seconds=collective))
     return Run(identity, group, channel=channel, group_timeout=collective, redundancy=redundancy)
 

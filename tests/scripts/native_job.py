@@ -1,6 +1,7 @@
 """Torch-native parallelism on the runtime's groups, for tests/test_native.py and the e2e tests.
 
 Usage: python native_job.py OUT.pt --mode ddp|fsdp|hsdp [--steps N] [--torch] [--step-time S] [--exit-at S:R]
+       [--exit-once MARKER]
 
 - ``--mode ddp``: ``DistributedDataParallel(model, process_group=...)``;
 - ``--mode fsdp``: ``fully_shard`` on a 1-D mesh (each rank holds its own shard of everything);
@@ -63,6 +64,17 @@ def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             for k, v in model.state_dict().items()}
 
 
+def first_time(marker: str) -> bool:
+    """True unless ``marker`` names a file that exists; creates it (a fault that happens once per job)."""
+    if not marker:
+        return True
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -71,6 +83,7 @@ def main() -> None:
     parser.add_argument("--torch", action="store_true", help="plain torch under torchrun: the reference")
     parser.add_argument("--step-time", type=float, default=0.0, help="simulated compute per step (pacing)")
     parser.add_argument("--exit-at", default="", help="STEP:RANK: SIGKILL itself in that step, before backward")
+    parser.add_argument("--exit-once", default="", help="with --exit-at: only if this file does not exist (it is created)")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -102,7 +115,7 @@ def main() -> None:
         if args.step_time:
             time.sleep(args.step_time)  # pacing: a step's compute, so that faults land inside the run
         loss = F.mse_loss(call(x), y)
-        if args.exit_at == f"{step}:{run.rank}":
+        if args.exit_at == f"{step}:{run.rank}" and first_time(args.exit_once):
             os.kill(os.getpid(), signal.SIGKILL)
         loss.backward()
         committed = run.commit()
