@@ -13,6 +13,8 @@ side:
 - **kill -9** (unplanned): the same with ``--redundancy 1``: rank 1's worker SIGKILLed at step K;
   every rank rolls back to the last agreed copy and the standby takes the lost shards from its
   left neighbour's copy;
+- **HSDP** (``--hsdp``, 4 ranks as 2 x 2): the drain and the kill -9 without ``--redundancy``
+  (every shard has a replica in the other row of the mesh), no steady-state runs;
 - **torchrun**: the same script under one torchrun agent per "node" (``bench/competitors``),
   sharded checkpoints every C steps (``--ckpt-dir``): a worker SIGKILLed at step K (torchrun
   restarts every worker, they reload and recompute), and a planned move (stop, start again with
@@ -22,7 +24,8 @@ Each event's cost is ``common.interruption`` on the step log: the time from the 
 the event to the first new step after it, less a median step per step, recomputed steps counted
 as lost. Output: a table, ``bench/results/native.json`` and ``bench/results/native.md``::
 
-    flock /tmp/tmrun-bench.lock python bench/native.py [--params 50M --nodes 2 --steps 40 --at 20]
+    flock /tmp/tmrun-bench.lock python bench/native.py [--params 50M --nodes 2 --steps 40 --at 20] [--torchrun]
+    flock /tmp/tmrun-bench.lock python bench/native.py --hsdp [--torchrun]   # 4 ranks, 2 x 2; native_hsdp.json
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ SCRIPT = common.REPO / "examples" / "train_gpt_fsdp.py"
 
 def train_args(args: argparse.Namespace) -> list[str]:
     return ["--params", args.params, "--steps", str(args.steps), "--batch-size", "1", "--block-size",
-            str(args.block_size), "--threads", "1", "--log-every", "5"]
+            str(args.block_size), "--threads", "1", "--log-every", "5", *(["--hsdp"] if args.hsdp else [])]
 
 
 def median_step(steps: list[dict], skip: int) -> float:
@@ -118,31 +121,35 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--params", default="50M")
     p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--nodes", type=int, default=0, help="ranks (default: 2, or 4 with --hsdp)")
+    p.add_argument("--hsdp", action="store_true",
+                   help="HSDP (2 x nodes/2): a drain and a kill -9 without --redundancy (the replica serves)")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--at", type=int, default=20, help="the event's step")
     p.add_argument("--every", type=int, default=5, help="--redundancy-every")
     p.add_argument("--ckpt-every", type=int, default=10, help="torchrun's checkpoint interval")
     p.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the median")
     p.add_argument("--timeout", type=float, default=900.0)
-    p.add_argument("--torchrun", action="store_true",
-                   help="also the torchrun runs (the runtime's restart under torchrun hangs today: see benchmarks.md)")
+    p.add_argument("--torchrun", action="store_true", help="also the torchrun runs (kill -9, stop-and-move)")
     args = p.parse_args(argv)
+    args.nodes = args.nodes or (4 if args.hsdp else 2)
     redundancy = ["--redundancy", "1", "--redundancy-every", str(args.every)]
-    runs = [run_tmrun(args, "steady-off", standby=0, flags=[], event=None),
-            run_tmrun(args, "steady-on", standby=0, flags=redundancy, event=None),
-            run_tmrun(args, "drain", standby=1, flags=[], event="drain"),
-            run_tmrun(args, "kill", standby=1, flags=redundancy, event="kill")]
+    runs = []
+    if not args.hsdp:  # HSDP's replicas make the redundant copy unnecessary
+        runs += [run_tmrun(args, "steady-off", standby=0, flags=[], event=None),
+                 run_tmrun(args, "steady-on", standby=0, flags=redundancy, event=None)]
+    runs += [run_tmrun(args, "drain", standby=1, flags=[], event="drain"),
+             run_tmrun(args, "kill", standby=1, flags=[] if args.hsdp else redundancy, event="kill")]
     if args.torchrun:
         runs += [run_torchrun(args, "torchrun-kill", "kill"), run_torchrun(args, "torchrun-move", "move")]
     by = {r["run"]: r for r in runs}
-    off, on = by["steady-off"], by["steady-on"]
-    summary = {
-        "throughput_on_vs_off": off["median_step_s"] / on["median_step_s"],
-        "rss_extra_mib_per_rank": [round(b - a, 1) for a, b in zip(off["peak_rss_mib"], on["peak_rss_mib"])],
-        "planned_tmrun_s": by["drain"]["interruption"]["downtime"],
-        "failure_tmrun_s": by["kill"]["interruption"]["downtime"],
-    }
+    summary = {"planned_tmrun_s": by["drain"]["interruption"]["downtime"],
+               "failure_tmrun_s": by["kill"]["interruption"]["downtime"],
+               "restarted": [r["run"] for r in runs if r.get("restarted")]}
+    if not args.hsdp:
+        off, on = by["steady-off"], by["steady-on"]
+        summary["throughput_on_vs_off"] = off["median_step_s"] / on["median_step_s"]
+        summary["rss_extra_mib_per_rank"] = [round(b - a, 1) for a, b in zip(off["peak_rss_mib"], on["peak_rss_mib"])]
     if args.torchrun:
         summary["planned_torchrun_s"] = by["torchrun-move"]["interruption"]["downtime"]
         summary["failure_torchrun_s"] = by["torchrun-kill"]["interruption"]["downtime"]
@@ -150,11 +157,11 @@ def main(argv: list[str] | None = None) -> int:
         summary["failure_ratio"] = summary["failure_torchrun_s"] / max(summary["failure_tmrun_s"], 1e-3)
     doc = {"machine": common.machine(), "command": common.command_line(), "args": vars(args), "runs": runs,
            "summary": summary}
-    common.save(NAME, doc)
+    common.save(f"{NAME}_hsdp" if args.hsdp else NAME, doc)
     rows = [(r["run"], r["launcher"], r.get("event") or "-", f"{r['median_step_s']:.3f}",
              r.get("interruption", {}).get("downtime", "-"), r.get("interruption", {}).get("recomputed", "-"),
              r.get("peak_rss_mib", "-")) for r in runs]
-    common.print_table(f"FSDP2 GPT {args.params}, {args.nodes} ranks", ["run", "launcher", "event", "median step s",
+    common.print_table(f"{'HSDP' if args.hsdp else 'FSDP2'} GPT {args.params}, {args.nodes} ranks", ["run", "launcher", "event", "median step s",
                                                                          "lost s", "recomputed", "peak RSS MiB"], rows)
     print(summary)
     return 0
