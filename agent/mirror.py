@@ -27,7 +27,7 @@ from agent.store import Entry, Event, Store
 
 log = logging.getLogger("tmrun.leader")
 
-PROGRESS_FIELDS = frozenset({"step", "step_time"})
+PROGRESS_FIELDS = frozenset({"step", "step_time", "stalled_since", "stalled_rank"})
 
 
 def progress_only(old: Entry | None, event: Event) -> bool:

@@ -61,6 +61,7 @@ from agent.metrics import MetricsServer, Snapshot
 from agent.output import OutputRouter
 from agent.records import REJOINS, NodeRecord, Outcome, Plan, RunState, parse
 from agent.roles import Role, Roles
+from agent.stall import Progress, hung
 from agent.store import Entry, Store
 from agent.worker_env import worker_env
 from agent.worker_channel import WorkerChannel
@@ -120,6 +121,7 @@ class NodeAgent:
         self._ready_at: dict[int, float] = {}  # gen -> when the last local worker said ready
         self._prepared_at: dict[int, float] = {}  # gen -> when this agent told its workers (phase 1 start)
         self._progress_at: float | None = None  # the hang watchdog is armed while this is set
+        self._stall: Progress | None = None  # a generation's workers' signs of progress (torchrun scripts)
         self._dirty = asyncio.Event()
         self._resync = False  # the node's state could not be reported: report it on the next look
         self._outage_since: float | None = None  # when etcd stopped answering (monotonic)
@@ -149,7 +151,8 @@ class NodeAgent:
                      self.cfg.worker.nproc_per_node)
             self._leader = Leader(self.cfg, self._store, self._lease, self._changes)
             background = [asyncio.ensure_future(self._keepalive()), asyncio.ensure_future(self._leader.run()),
-                          asyncio.ensure_future(self._watchdog()), asyncio.ensure_future(self._check_links()),
+                          asyncio.ensure_future(self._watchdog()), asyncio.ensure_future(self._stall_watch()),
+                          asyncio.ensure_future(self._check_links()),
                           *self._extra_tasks()]
             return await self._follow(background)
         except ControlPlaneLost as exc:
@@ -651,10 +654,19 @@ class NodeAgent:
             env["TMRUN_ROLE"] = "standby" if standby else "active"
             launches.append(WorkerLaunch(cfg.worker.argv, env, local_rank, offset + local_rank))
         router = OutputRouter(cfg.node, log_dir=gen_dir, redirects=cfg.worker.redirects, tee=cfg.worker.tee,
-                              local_ranks_filter=cfg.worker.local_ranks_filter)
+                              local_ranks_filter=cfg.worker.local_ranks_filter, on_line=self._on_output_line)
         group = WorkerGroup(launches, router, cfg.timeouts.stop_grace)
+        self._stall = None
         await group.start()
+        if not standby:
+            self._stall = Progress([(pid, launch.rank, Path(launch.env["TMRUN_HEARTBEAT_FILE"]))
+                                    for pid, launch in zip(group.pids, launches)], time.monotonic(), time.time())
         return group
+
+    def _on_output_line(self, local_rank: int) -> None:
+        stall, group = self._stall, self._group
+        if stall is not None and group is not None and local_rank < len(group.pids):
+            stall.output(group.pids[local_rank], time.monotonic(), time.time())
 
     async def _on_group_done(self, result: GroupResult) -> None:
         gen = self._group_gen
@@ -730,6 +742,70 @@ class NodeAgent:
             self._progress_at = None
             self._heard_at.clear()
             group.kill_hung()
+
+    async def _stall_watch(self) -> None:
+        """The hang watchdog of torchrun scripts, which report no steps (``agent/stall.py``): once a
+        second, sample the workers' heartbeat files and CPU time. No sign of progress for half of
+        ``progress`` (at most 30 s): say so in the node record. The first worker to stop idle for
+        ``progress`` and every member node stalled too: the job is hung; kill this node's workers
+        with the reason in the record, and the failure path restarts (or replaces) them."""
+        limit = self.cfg.timeouts.progress
+        if not limit:
+            return await asyncio.Event().wait()  # off: never ends
+        report_after = min(limit / 2, 30.0)
+        waiting_for: frozenset[str] = frozenset()
+        while True:
+            await asyncio.sleep(1.0)
+            stall, group = self._stall, self._group
+            if stall is None or group is None or self._role.now is not Role.MEMBER or self._run.runtime:
+                continue
+            now = time.monotonic()
+            stall.sample(now, time.time())
+            state = stall.stall(now)
+            stalled = state is not None and state.idle >= report_after
+            if stalled != bool(self._run.stalled_since):
+                log.warning("%s: %s", self.cfg.node, "its workers make progress again" if not stalled else
+                            f"no sign of progress from its workers for {state.idle:.0f} s (rank {state.rank} "
+                            f"stopped first; judged by {state.signal})")
+                self._run = dataclasses.replace(self._run, stalled_since=state.since_wall if stalled else 0.0,
+                                                stalled_rank=state.rank if stalled else None)
+                self._dirty.set()
+            if not stalled or state.first_idle < limit:
+                waiting_for = frozenset()
+                continue
+            try:
+                others = await self._members_stalled()
+            except StoreError:
+                continue
+            why = hung(state, limit, others)
+            if why is None:
+                busy = frozenset(m for m, v in others.items() if v is None)
+                if busy != waiting_for:
+                    log.info("%s: idle for %.0f s, but %s still make progress: not a hang", self.cfg.node,
+                             state.idle, ", ".join(sorted(busy)))
+                waiting_for = busy
+                continue
+            log.error("%s: %s; killing the workers (pids %s)", self.cfg.node, why, ", ".join(map(str, group.pids)))
+            self._run = dataclasses.replace(self._run, error=why)
+            self._dirty.set()
+            self._stall = None
+            group.kill_hung()
+
+    async def _members_stalled(self) -> dict[str, tuple[float, int] | None]:
+        """Each other member node's ``(stalled_since, stalled_rank)`` in the current generation, or None."""
+        plan = self._plan
+        if plan is None:
+            return {}
+        entries, _ = await self._store.get_prefix(self._keys.nodes)
+        found: dict[str, tuple[float, int] | None] = {}
+        for member in plan.members:
+            if member == self.cfg.node:
+                continue
+            record = parse(NodeRecord, entries.get(self._keys.node(member)))
+            run = record.run if record is not None else {}
+            since = run.get("stalled_since") or 0.0
+            found[member] = (since, run.get("stalled_rank") or 0) if since and run.get("gen") == plan.gen else None
+        return found
 
     async def _keepalive(self) -> None:
         """Refresh the lease every third of its TTL, for as long as the agent runs.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Callable
 
 from agent.errors import ConfigError
 
@@ -48,8 +48,9 @@ class OutputRouter:
 
     def __init__(self, node: str, *, log_dir: Path | None, redirects: str = "0", tee: str = "0",
                  local_ranks_filter: tuple[int, ...] = (), console_out: BinaryIO | None = None,
-                 console_err: BinaryIO | None = None) -> None:
+                 console_err: BinaryIO | None = None, on_line: Callable[[int], None] | None = None) -> None:
         self._node = node
+        self._on_line = on_line  # called with the local rank of each line read (the stall watch)
         self._log_dir = log_dir
         self._redirects = parse_std_spec(redirects, "--redirects")
         self._tee = parse_std_spec(tee, "--tee")
@@ -97,6 +98,8 @@ class OutputRouter:
                     line = await reader.read(1 << 16)
                 if not line:
                     break
+                if self._on_line is not None:
+                    self._on_line(local_rank)
                 if to_console:
                     prefix = self._prefix(local_rank)
                     console.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")

@@ -149,6 +149,8 @@ class RunState(Record):
     ``state``: ``idle`` (no workers), ``running``, ``succeeded``, ``failed``, ``stopped``.
     ``exitcode``: the first failing worker's exit code (negative: killed by that signal);
     ``error``: why a worker said it could not go on (the runtime's ``failed`` message), or "".
+    ``stalled_since``/``stalled_rank``: a torchrun script's workers on this node have shown no
+    progress since then (wall clock; its first worker to stop), or 0 (``agent/stall.py``).
     """
 
     gen: int = 0
@@ -162,6 +164,8 @@ class RunState(Record):
     step_time: float = 0.0
     last_swap: dict[str, Any] = dataclasses.field(default_factory=dict)
     error: str = ""
+    stalled_since: float = 0.0
+    stalled_rank: int | None = None
 
     def _check(self) -> None:
         for name, value in self.last_swap.items():  # read by agent/swap_report.py

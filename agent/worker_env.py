@@ -7,6 +7,7 @@ rank connects as a client to the TCPStore that the leader agent hosts for the ge
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Mapping
 
 from agent.config import AgentConfig
@@ -45,6 +46,7 @@ def worker_env(base: Mapping[str, str], cfg: AgentConfig, plan: Plan, local_rank
         "TMRUN_NODE": cfg.node,
         "TMRUN_GENERATION": str(plan.gen),
         "TMRUN_COLLECTIVE_TIMEOUT": f"{cfg.timeouts.collective:g}",
+        "TMRUN_HEARTBEAT_FILE": str(Path(error_file).with_name("heartbeat")),  # tmrun.heartbeat() touches it
     })
     if cfg.worker.redundancy_every:  # --redundancy 1 (tmrun/redundancy.py)
         env.update({"TMRUN_REDUNDANCY": "1", "TMRUN_REDUNDANCY_EVERY": str(cfg.worker.redundancy_every)})

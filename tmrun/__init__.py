@@ -5,6 +5,10 @@ training script's ``import tmrun`` costs nothing it does not use.
 """
 
 __version__ = "0.1.0"
+__all__ = ["heartbeat", "init", "Run", "StepFailed", "__version__"]
+
+
+from tmrun.liveness import heartbeat  # noqa: E402 (no torch: a torchrun script's one line)
 
 
 def __getattr__(name: str):

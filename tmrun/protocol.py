@@ -182,7 +182,7 @@ def decode(line: bytes | str) -> dict[str, Any]:
     """The message on ``line``; ProtocolError saying what is wrong with it otherwise."""
     try:
         message = json.loads(line, parse_constant=_no_constant)
-    except (ValueError, RecursionError) as exc:
+    except (ValueError, RecursionError):
         raise ProtocolError(f"not JSON: {_brief(line[:60])}") from None
     if not isinstance(message, dict):
         raise ProtocolError(f"not a JSON object: {_brief(line[:60])}")
