@@ -120,6 +120,7 @@ class WorkerSpec:
     local_ranks_filter: tuple[int, ...] = ()
     max_restarts: int = 0
     redundancy_every: int = 0  # --redundancy: snapshot every N steps (0: off), TMRUN_REDUNDANCY* for the runtime
+    warm_start: bool = False  # --warm-start: an interpreter with torch imported waits per local rank (agent/warm.py)
 
     def __post_init__(self) -> None:
         if not self.argv:

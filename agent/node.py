@@ -65,7 +65,8 @@ from agent.stall import Progress, hung
 from agent.store import Entry, Store
 from agent.worker_env import worker_env
 from agent.worker_channel import WorkerChannel
-from agent.workers import GroupResult, WorkerGroup, WorkerLaunch
+from agent.warm import WarmPool
+from agent.workers import GroupResult, WorkerGroup, WorkerLaunch, spawn
 
 log = logging.getLogger("tmrun.agent")
 
@@ -79,6 +80,7 @@ PROGRESS_REPORT = 1.0  # seconds between reports that only carry the workers' pr
 PROGRESS_WRITES = 100.0  # progress reports a second, all nodes together, past PROGRESS_REPORT's
 STOP_TASKS_TIMEOUT = 10.0  # seconds the agent's background tasks get to end once cancelled
 REVOKE_TIMEOUT = 0.5  # seconds a leaving agent tries to revoke its lease (else it expires by itself)
+WARM_DELAY = 5.0  # seconds after its workers start before a node starts warm interpreters (--warm-start)
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
@@ -122,6 +124,7 @@ class NodeAgent:
         self._prepared_at: dict[int, float] = {}  # gen -> when this agent told its workers (phase 1 start)
         self._progress_at: float | None = None  # the hang watchdog is armed while this is set
         self._stall: Progress | None = None  # a generation's workers' signs of progress (torchrun scripts)
+        self._warm = WarmPool(spawn) if cfg.worker.warm_start else None  # --warm-start (agent/warm.py)
         self._dirty = asyncio.Event()
         self._resync = False  # the node's state could not be reported: report it on the next look
         self._outage_since: float | None = None  # when etcd stopped answering (monotonic)
@@ -164,6 +167,8 @@ class NodeAgent:
             if self._progress_timer is not None:
                 self._progress_timer.cancel()
             await self._stop_workers()
+            if self._warm is not None:
+                await self._warm.close()
             if self._role.now is not Role.GONE:
                 self._role.move(Role.GONE, "the agent stops")
             for task in background:
@@ -657,7 +662,9 @@ class NodeAgent:
                               local_ranks_filter=cfg.worker.local_ranks_filter, on_line=self._on_output_line)
         group = WorkerGroup(launches, router, cfg.timeouts.stop_grace)
         self._stall = None
-        await group.start()
+        await group.start(None if standby else self._warm)
+        if self._warm is not None and not standby:
+            self._warm.fill({launch.local_rank: launch.env for launch in launches}, WARM_DELAY)
         if not standby:
             self._stall = Progress([(pid, launch.rank, Path(launch.env["TMRUN_HEARTBEAT_FILE"]))
                                     for pid, launch in zip(group.pids, launches)], time.monotonic(), time.time())

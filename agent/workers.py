@@ -17,6 +17,7 @@ import sys
 from typing import Mapping, Sequence
 
 from agent.output import OutputRouter
+from agent.warm import WarmPool, launch_line, script_args
 
 # Exec wrapper that sets the parent-death signal and then becomes the real program. Doing this in
 # a preexec_fn is unsafe in a process with threads (gRPC's, the TCPStore's): the forked child can
@@ -76,13 +77,17 @@ class WorkerGroup:
         """The pids of the workers that have not exited (as far as this process reaped them)."""
         return tuple(p.pid for p in self._procs if p.returncode is None)
 
-    async def start(self) -> None:
+    async def start(self, warm: WarmPool | None = None) -> None:
+        """Start every worker: a warm interpreter of ``warm`` where one is ready, else a new process."""
         for launch in self._launches:
-            proc = await asyncio.create_subprocess_exec(
-                *die_with_parent(launch.argv), env=dict(launch.env), stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
-                limit=1 << 20,
-            )
+            args = script_args(launch.argv) if warm is not None else None
+            proc = warm.take(launch.local_rank) if warm is not None and args is not None else None
+            if proc is not None:
+                proc.stdin.write(launch_line(args, launch.env, os.getcwd()))
+                await proc.stdin.drain()
+                proc.stdin.close()
+            else:
+                proc = await spawn(launch.argv, launch.env, stdin=asyncio.subprocess.DEVNULL)
             self._procs.append(proc)
             self._pumps += self._output.attach(proc, launch.local_rank, launch.rank)
 
@@ -138,6 +143,14 @@ class WorkerGroup:
         """SIGKILL everything at once (fencing: the lease is gone, no grace)."""
         self._stopping = True
         _signal_groups([p for p in self._procs if p.returncode is None], signal.SIGKILL)
+
+
+async def spawn(argv: Sequence[str], env: Mapping[str, str], *,
+                stdin: int = asyncio.subprocess.PIPE) -> asyncio.subprocess.Process:
+    """A worker process (or a warm interpreter): its own session, dies with this process, output piped."""
+    return await asyncio.create_subprocess_exec(
+        *die_with_parent(argv), env=dict(env), stdin=stdin, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, start_new_session=True, limit=1 << 20)
 
 
 def _signal_groups(procs: Sequence[asyncio.subprocess.Process], sig: int) -> None:

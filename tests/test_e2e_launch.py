@@ -10,10 +10,13 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
-from tests.harness import EXAMPLE, FAST, assert_same_weights, job_ref, node_row, roles, run_tmrun, wait_status
+from agent.warm import MARKER as WARM_MARKER
+from tests.harness import (EXAMPLE, FAST, assert_same_weights, descendants, job_ref, node_row, roles, run_tmrun,
+                           wait_status)
 
 pytestmark = pytest.mark.e2e
 
@@ -134,6 +137,43 @@ def test_no_standby_restarts_in_place_then_fails_past_max_restarts(jobs, tmp_pat
 
     assert job.wait(60) == 1
     assert "--max-restarts 1 is used up" in job.err.text()
+
+
+def _warm_interpreters(job) -> set[int]:
+    """The job's warm interpreters (--warm-start): its processes that run agent/warm.py's program."""
+    found = set()
+    for pid in descendants(job.proc.pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if WARM_MARKER.encode() in f.read():
+                    found.add(pid)
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.timeout(150)
+def test_warm_start_restarts_into_interpreters_started_before_the_failure(jobs, tmp_path, reference):
+    job = jobs(["--nnodes", "2", "--max-restarts", "1", "--warm-start", "--rdzv-conf", FAST, str(EXAMPLE),
+                "--steps", str(STEPS), "--ckpt-dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "final.pt"),
+                "--step-time", "0.4"])  # 16 s of steps: the warm interpreters start 5 s in
+    ref = job_ref(job)
+    first = wait_status(ref, lambda d: d["generation"] == 1 and all(r["worker_pids"] for r in node_row(d, "active")), 60)
+    deadline = time.monotonic() + 60
+    while len(warm := _warm_interpreters(job)) < 2:  # one per node, started WARM_DELAY after its workers
+        assert time.monotonic() < deadline, f"no warm interpreters: {warm}"
+        time.sleep(0.2)  # a poll of /proc with a deadline, not a synchronisation
+    job.track()
+    os.kill(node_row(first, "active")[1]["worker_pids"][0], signal.SIGKILL)
+    second = wait_status(ref, lambda d: d["generation"] == 2 and all(
+        r["worker_pids"] and r["generation"] == 2 for r in node_row(d, "active")), 60)
+    restarted = {pid for r in node_row(second, "active") for pid in r["worker_pids"]}
+    assert restarted == warm  # the restarted workers are the interpreters that waited, torch imported
+    assert second["in_place_restarts"] == 1
+    job.track()
+    assert job.wait(100) == 0, job.err.text()[-3000:]
+    assert "resumed from step" in job.out.text()
+    assert_same_weights(tmp_path / "final.pt", reference)
 
 
 @pytest.mark.timeout(150)
