@@ -26,6 +26,7 @@ as lost. Output: a table, ``bench/results/native.json`` and ``bench/results/nati
 
     flock /tmp/tmrun-bench.lock python bench/native.py [--params 50M --nodes 2 --steps 40 --at 20] [--torchrun]
     flock /tmp/tmrun-bench.lock python bench/native.py --hsdp [--torchrun]   # 4 ranks, 2 x 2; native_hsdp.json
+    flock /tmp/tmrun-bench.lock python bench/native.py --steady-repeats 3 --every 10   # on/off pairs only
 """
 
 from __future__ import annotations
@@ -117,6 +118,28 @@ def run_torchrun(args: argparse.Namespace, name: str, event: str) -> dict:
             "interruption": inter.to_dict()}
 
 
+def steady_repeats(args: argparse.Namespace, redundancy: list[str]) -> int:
+    """Throughput with ``--redundancy 1`` against without, in alternating pairs: the ratio per pair
+    and its spread, so that a gap can be told from the machine's run-to-run noise."""
+    runs = []
+    for i in range(args.steady_repeats):
+        runs += [run_tmrun(args, f"steady-off-{i}", standby=0, flags=[], event=None),
+                 run_tmrun(args, f"steady-on-{i}", standby=0, flags=redundancy, event=None)]
+    ratios = [off["median_step_s"] / on["median_step_s"] for off, on in zip(runs[::2], runs[1::2])]
+    summary = {"ratio_per_pair": ratios, "ratio_median": statistics.median(ratios),
+               "ratio_spread": max(ratios) - min(ratios),
+               "rss_extra_mib_per_rank": [round(statistics.median(on["peak_rss_mib"][k] - off["peak_rss_mib"][k]
+                                                                  for off, on in zip(runs[::2], runs[1::2])), 1)
+                                          for k in range(args.nodes)]}
+    common.save(f"{NAME}_steady", {"args": vars(args), "runs": runs, "summary": summary})
+    common.print_table(f"FSDP2 GPT {args.params}, {args.nodes} ranks: --redundancy 1 on vs off",
+                       ["pair", "off s", "on s", "on/off throughput"],
+                       [(i, f"{off['median_step_s']:.3f}", f"{on['median_step_s']:.3f}", f"{r:.1%}")
+                        for i, (off, on, r) in enumerate(zip(runs[::2], runs[1::2], ratios))])
+    print(summary)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--params", default="50M")
@@ -131,9 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the median")
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--torchrun", action="store_true", help="also the torchrun runs (kill -9, stop-and-move)")
+    p.add_argument("--steady-repeats", type=int, default=0,
+                   help="only the steady state: N pairs of runs, off and on alternating (native_steady.json)")
     args = p.parse_args(argv)
     args.nodes = args.nodes or (4 if args.hsdp else 2)
     redundancy = ["--redundancy", "1", "--redundancy-every", str(args.every)]
+    if args.steady_repeats:
+        return steady_repeats(args, redundancy)
     runs = []
     if not args.hsdp:  # HSDP's replicas make the redundant copy unnecessary
         runs += [run_tmrun(args, "steady-off", standby=0, flags=[], event=None),
