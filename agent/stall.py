@@ -21,22 +21,10 @@ a barrier) keeps the job alive. Pure bookkeeping: the agent feeds it samples and
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 from typing import Callable, Iterable
 
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU time of process ``pid`` (all threads), or None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime (fields 14, 15 of stat)
-
+from agent.procfs import cpu_seconds
 
 def mtime_ns(path: Path) -> int | None:
     try:

@@ -49,11 +49,12 @@ for _path in (str(HERE), str(HERE.parent)):
         sys.path.insert(0, _path)
 
 import common  # noqa: E402
+from agent import procfs  # noqa: E402
 from steady_state import ProcSampler, cpu_use  # noqa: E402  (shared helpers: candidates for common.py)
 
 NAME = "control_plane"
 TARGET_PHASE1_S = 0.050
-CLK_TCK = os.sysconf("SC_CLK_TCK")
+CLK_TCK = procfs.CLOCK_TICKS
 
 # The drain path, read from the code: every etcd round trip in order, and whether the request ->
 # phase 1 interval waits for it. "push": etcd delivers a watch event (half a round trip, no request).

@@ -34,8 +34,8 @@ import common
 from competitors import torchrun_job as tj
 
 sys.path.insert(0, str(common.REPO))
+from agent.procfs import descendants, running  # noqa: E402
 from agent.warm import MARKER  # noqa: E402
-from tests.harness import descendants  # noqa: E402
 
 NAME = "restart_mode"
 SCRIPT = Path(tj.SCRIPT)
@@ -47,14 +47,7 @@ def train_args(args: argparse.Namespace, wd: Path) -> list[str]:
 
 
 def warm_interpreters(pid: int) -> int:
-    count = 0
-    for child in descendants(pid):
-        try:
-            with open(f"/proc/{child}/cmdline", "rb") as f:
-                count += MARKER.encode() in f.read()
-        except OSError:
-            continue
-    return count
+    return len(running(descendants(pid), MARKER))
 
 
 def run_tmrun(args: argparse.Namespace, name: str, flags: list[str]) -> dict:

@@ -59,6 +59,8 @@ for _path in (str(HERE), str(HERE.parent)):
 import common  # noqa: E402
 from competitors import torchrun_job  # noqa: E402
 
+from agent import procfs  # noqa: E402
+
 NAME = "steady_state"
 RUNS = ("torchrun+DDP", "tmrun", "tmrun+standby")
 TARGET_THROUGHPUT = 0.99
@@ -110,44 +112,18 @@ def nonnegative(text: str) -> int:
     return value
 
 
-def _proc_table() -> dict[int, tuple[int, int]]:
-    """pid -> (parent pid, CPU ticks user + system) of every process on the machine."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            table[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
-    return table
-
-
-def descendants(roots: list[int], table: dict[int, tuple[int, int]] | None = None) -> list[int]:
-    kids: dict[int, list[int]] = {}
-    for pid, (ppid, _) in (table if table is not None else _proc_table()).items():
-        kids.setdefault(ppid, []).append(pid)
-    found, todo = [], list(roots)
-    while todo:
-        pid = todo.pop()
-        for kid in kids.get(pid, []):
-            found.append(kid)
-            todo.append(kid)
-    return found
-
-
-CLK_TCK = os.sysconf("SC_CLK_TCK")
+CLK_TCK = procfs.CLOCK_TICKS
 
 
 def _proc_info(pid: int, worker: bool) -> dict | None:
     """CPU ticks (user + system); for a worker also VmHWM and VmRSS (kB) and its TMRUN_ROLE."""
+    fields = procfs.stat_fields(pid)
+    if fields is None:
+        return None
+    info = {"cpu": int(fields[11]) + int(fields[12])}
+    if not worker:
+        return info
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        info = {"cpu": int(fields[11]) + int(fields[12])}
-        if not worker:
-            return info
         with open(f"/proc/{pid}/status") as f:
             status = dict(line.split(":", 1) for line in f if ":" in line)
         with open(f"/proc/{pid}/environ", "rb") as f:
@@ -201,8 +177,8 @@ class ProcSampler(threading.Thread):
         """Sample now; the processes alive now (pid -> {kind, cpu, t, and for workers role, hwm_kb, rss_kb})."""
         now = time.time()
         with self._lock:
-            table = _proc_table()
-            ours = self.roots + descendants(self.roots, table)
+            table = procfs.table()
+            ours = self.roots + sorted(procfs.descendants(self.roots, table))
             foreign = {pid: ticks for pid, (_, ticks) in table.items() if pid not in set(ours)}
             self._foreign_total += sum(max(0, t - self._foreign[p]) for p, t in foreign.items() if p in self._foreign)
             self._foreign = foreign

@@ -44,6 +44,7 @@ for _path in (str(HERE), str(HERE.parent)):
         sys.path.insert(0, _path)
 
 import common  # noqa: E402
+from agent.etcd_server import free_port  # noqa: E402
 # Shared helpers of the benchmarks (candidates for common.py).
 from control_plane import Parser, count, md_table, next_swap, pick_node, wait_standbys_quiet  # noqa: E402
 from steady_state import ProcSampler, cpu_use, params_of, size_list  # noqa: E402
@@ -138,12 +139,6 @@ def gloo_reference(params: int, repeats: int = 3) -> dict:
     result["bytes_per_s"] = result["bytes"] / min(result["seconds"])
     result["seconds"] = [round(s, 4) for s in result["seconds"]]
     return result
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def drains_of(size: str, args) -> list[dict]:

@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from agent.procfs import descendants
 from tests.harness import FAST, Job, assert_same_weights, job_ref, wait_status
 
 JOB = Path(__file__).parent / "scripts" / "runtime_job.py"
@@ -304,8 +305,6 @@ def _kill_all(pids: list[int]) -> None:
 
 
 def _descendants_named(job: Job, name: str) -> list[int]:
-    from tests.harness import descendants
-
     found = []
     for pid in descendants(job.proc.pid):
         try:

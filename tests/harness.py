@@ -23,6 +23,7 @@ from agent.errors import JobNotFound
 from agent.credentials import credentials_dir
 from agent.etcd_store import EtcdStore, client_tls, parse_endpoint
 from agent.keys import JobKeys
+from agent.procfs import descendants, stat_fields
 from tmrun import admin
 from tmrun.jobs import JobRef
 
@@ -32,33 +33,9 @@ TMRUN = [sys.executable, "-c", "from tmrun.cli import main; main()"]
 FAST = "lease_ttl=3,failure_window=4,last_call_timeout=0.5,join_timeout=60,close_timeout=3"
 
 
-def descendants(pid: int) -> set[int]:
-    """Every live process below ``pid`` (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(entry))
-        except (OSError, IndexError, ValueError):
-            continue
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
-
-
 def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    fields = stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 class Output:

@@ -21,7 +21,8 @@ import pytest
 
 from agent.etcd_server import EmbeddedEtcd
 from agent.keys import JobKeys
-from tests.harness import FAST, alive, assert_same_weights, descendants, job_ref, job_store, run_tmrun, wait_status
+from agent.procfs import descendants
+from tests.harness import FAST, alive, assert_same_weights, job_ref, job_store, run_tmrun, wait_status
 from tests.test_e2e_hot_swap import JOB, PACE, _events, _reference
 
 pytestmark = pytest.mark.e2e

@@ -14,9 +14,9 @@ import time
 
 import pytest
 
+from agent.procfs import descendants, running
 from agent.warm import MARKER as WARM_MARKER
-from tests.harness import (EXAMPLE, FAST, assert_same_weights, descendants, job_ref, node_row, roles, run_tmrun,
-                           wait_status)
+from tests.harness import EXAMPLE, FAST, assert_same_weights, job_ref, node_row, roles, run_tmrun, wait_status
 
 pytestmark = pytest.mark.e2e
 
@@ -141,15 +141,7 @@ def test_no_standby_restarts_in_place_then_fails_past_max_restarts(jobs, tmp_pat
 
 def _warm_interpreters(job) -> set[int]:
     """The job's warm interpreters (--warm-start): its processes that run agent/warm.py's program."""
-    found = set()
-    for pid in descendants(job.proc.pid):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if WARM_MARKER.encode() in f.read():
-                    found.add(pid)
-        except OSError:
-            continue
-    return found
+    return set(running(descendants(job.proc.pid), WARM_MARKER))
 
 
 @pytest.mark.timeout(150)

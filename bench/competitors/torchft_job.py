@@ -42,15 +42,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from agent.etcd_server import free_port
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 SCRIPT = HERE / "torchft_gpt.py"
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _lighthouse_exe() -> str:
@@ -134,7 +130,7 @@ def start(params: str, steps: int, replicas: int, step_log: str | os.PathLike, w
     """Start the lighthouse and ``replicas`` replica processes; returns the job handle."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = free_port()
     with open(workdir / "lighthouse.log", "wb") as log:
         lighthouse = subprocess.Popen(
             [_lighthouse_exe(), "--bind", f"127.0.0.1:{port}", "--min_replicas", str(min_replicas),

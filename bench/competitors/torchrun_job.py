@@ -43,12 +43,14 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from agent.etcd_server import free_port
+from agent.procfs import children, cmdline
 
 SCRIPT = Path(__file__).resolve().with_name("torchrun_gpt.py")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # what the ``torchrun`` entry point runs
@@ -113,12 +115,6 @@ class Job:
                 n.agent.wait()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def agent_command(port: int, train_args: list[str], *, nnodes: int | str = 2, max_restarts: int = 3,
                   rdzv_id: str = "torchrun-gpt", rdzv_conf: dict | None = None,
                   monitor_interval: float = MONITOR_INTERVAL, script: Path = SCRIPT) -> list[str]:
@@ -175,35 +171,10 @@ def add_node(job: Job, name: str) -> Node:
     return node
 
 
-def _children(pid: int) -> list[int]:
-    """Direct children of ``pid``, from /proc/*/stat (field 4, after the parenthesised name)."""
-    kids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # exited meanwhile
-        if int(fields[1]) == pid and fields[0] != "Z":
-            kids.append(int(entry))
-    return sorted(kids)
-
-
 def worker_pids(agent: Node | subprocess.Popen | int, script: Path = SCRIPT) -> list[int]:
     """The live worker processes of a torchrun agent: its children running ``script``."""
     pid = agent if isinstance(agent, int) else agent.pid
-    found = []
-    for kid in _children(pid):
-        try:
-            with open(f"/proc/{kid}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if str(script).encode() in argv:
-            found.append(kid)
-    return found
+    return [kid for kid in children(pid) if str(script).encode() in (cmdline(kid) or [])]
 
 
 def _signal(pid: int, sig: int) -> bool:
