@@ -1,7 +1,9 @@
 """Warm interpreters (``--warm-start``): Python with torch already imported, waiting to become a worker.
 
 A restart's first seconds go to what does not depend on the script: starting Python and
-importing torch (1.5–2.5 s per worker on a busy 2-core machine, more with CUDA libraries). With
+importing torch (1.5–2.5 s per worker on a busy 2-core machine, more with CUDA libraries), and,
+for a script that calls ``torch.use_deterministic_algorithms`` or ``torch.compile``, importing
+torch's compiler stack (another 1.1 s here). With
 ``--warm-start`` each agent keeps one such interpreter per local rank ready while the job trains;
 when it starts workers (a restart after a failure, a new generation) it hands each warm
 interpreter its launch and the interpreter runs the script in-process, as ``python -u SCRIPT``
@@ -16,7 +18,7 @@ or ``python -u -m MODULE`` would:
 What a script could notice: environment variables read while torch is imported (``OMP_NUM_THREADS``
 and friends) come from the previous generation's environment, which tmrun computes the same way;
 tracebacks show two ``runpy`` frames. ``--no-python`` commands are never warm. Each warm
-interpreter costs the memory of an idle ``import torch`` (about 300 MB on CPU); it is started
+interpreter costs the memory of those imports (about 290 MB on CPU); it is started
 ``delay`` seconds after the workers it may replace, so that its import does not compete with
 their start-up.
 """
@@ -36,8 +38,15 @@ MARKER = "# tmrun warm interpreter"  # the first line of its program: how to tel
 
 # The interpreter's program: import torch, wait for the launch, become the worker.
 _PROGRAM = r"""# tmrun warm interpreter
-import json, os, runpy, sys
-import torch  # the point: paid while the job trains, not after a failure
+import importlib, json, os, runpy, sys
+# the point: paid while the job trains, not after a failure. torch's compiler stack comes too:
+# torch.use_deterministic_algorithms() and torch.compile() import it on first use (1.1 s here)
+import torch
+for name in ("torch.nn.parallel", "torch.distributed.fsdp", "torch._dynamo", "torch._inductor"):
+    try:
+        importlib.import_module(name)
+    except Exception:  # another torch: what it has is enough
+        pass
 line = sys.stdin.readline()
 if not line:
     os._exit(0)  # the agent is done with it

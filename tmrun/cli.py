@@ -130,7 +130,7 @@ def launch(
                                           "two redundant copies (--redundancy 1).", parser=_integer(1, 1_000_000))] = 10,
     warm_start: Annotated[bool, _opt("--warm-start", env="TMRUN_WARM_START", help="Keep one Python with torch "
                                      "imported waiting per local rank, so that a restart skips starting Python and "
-                                     "importing torch (about 300 MB each on CPU).")] = False,
+                                     "importing torch (about 290 MB each on CPU).")] = False,
     node_name: Annotated[Optional[str], _opt("--node-name", env="TMRUN_NODE_NAME",
                                              help="This node's name in the job (default: hostname).")] = None,
     max_restarts: Annotated[int, _opt("--max-restarts", "--max_restarts", env="PET_MAX_RESTARTS",
