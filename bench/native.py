@@ -100,15 +100,15 @@ def run_torchrun(args: argparse.Namespace, name: str, event: str) -> dict:
     nodes = tuple(f"node{i}" for i in range(args.nodes))
     job = tj.start_job(train, nodes=nodes, log_dir=wd / "logs", rdzv_id=f"native-{time.time_ns()}", script=SCRIPT)
     try:
-        tj.wait_for_step(log, args.at, job, timeout=args.timeout)
         if event == "kill":
-            _, t_event = tj.kill_worker(job, "node1")
+            t_event = tj.kill_at_step(job, log, args.at, timeout=args.timeout)
         else:
+            tj.wait_for_step(log, args.at, job, timeout=args.timeout)
             job, info = tj.migrate(job, "node1", f"node{args.nodes}", timeout=args.timeout)
             t_event = info["t"]
-        codes = job.wait(args.timeout)
-        if any(codes):
-            raise RuntimeError(f"torchrun agents exited {codes} (see {wd})")
+            codes = job.wait(args.timeout)
+            if any(codes):
+                raise RuntimeError(f"torchrun agents exited {codes} (see {wd})")
     finally:
         job.kill()
     steps, _ = common.read_log(log)

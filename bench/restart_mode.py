@@ -84,11 +84,7 @@ def run_torchrun(args: argparse.Namespace) -> dict:
     job = tj.start_job([*train_args(args, wd), "--step-log", str(log)], log_dir=wd / "agents",
                        rdzv_id=f"restart-{time.time_ns()}", env={"TMPDIR": str(wd)})
     try:
-        tj.wait_for_step(log, args.kill_at, job, timeout=args.timeout)
-        _, t_kill = tj.kill_worker(job, "node1")
-        codes = job.wait(args.timeout)
-        if any(codes):
-            raise RuntimeError(f"torchrun agents exited {codes} (see {wd})")
+        t_kill = tj.kill_at_step(job, log, args.kill_at, timeout=args.timeout)
     finally:
         job.kill()
     steps, _ = common.read_log(log)

@@ -185,6 +185,17 @@ def _signal(pid: int, sig: int) -> bool:
         return False
 
 
+def kill_at_step(job: Job, log: Path, step: int, node: str = "node1", timeout: float = 600.0) -> float:
+    """Once ``log`` shows ``step``, ``kill -9`` the worker of ``node``; wait for the job to end (its
+    agents must all exit 0). The wall time of the kill."""
+    wait_for_step(log, step, job, timeout=timeout)
+    _, t_kill = kill_worker(job, node)
+    codes = job.wait(timeout)
+    if any(codes):
+        raise RuntimeError(f"torchrun agents exited {codes} (see {job.log_dir})")
+    return t_kill
+
+
 def kill_worker(job: Job, node: str = "node1", sig: int = signal.SIGKILL, timeout: float = 30.0) -> tuple[int, float]:
     """``kill -9`` the worker of ``node`` (not its agent); ``(pid, time.time() of the kill)``."""
     deadline = time.monotonic() + timeout
