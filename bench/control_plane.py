@@ -50,7 +50,6 @@ for _path in (str(HERE), str(HERE.parent)):
 
 import common  # noqa: E402
 from agent import procfs  # noqa: E402
-from steady_state import ProcSampler, cpu_use  # noqa: E402  (shared helpers: candidates for common.py)
 
 NAME = "control_plane"
 TARGET_PHASE1_S = 0.050
@@ -132,21 +131,68 @@ def cpu_ticks(pid: int) -> int | None:
         return None
 
 
-def sched_ns(pid: int) -> tuple[int, int]:
-    """(ns on a CPU, ns runnable but waiting for a CPU) of all threads of ``pid`` (/proc/PID/task/*/schedstat)."""
-    cpu = wait = 0
+def sched_ns(pid: int) -> tuple[int, int, int]:
+    """(ns on a CPU, ns runnable but waiting for a CPU, times put on a CPU) of all threads of
+    ``pid`` (/proc/PID/task/*/schedstat)."""
+    cpu = wait = runs = 0
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return 0, 0
+        return 0, 0, 0
     for tid in tasks:
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                on, waiting, _ = f.read().split()
+                on, waiting, count = f.read().split()
         except (OSError, ValueError):
             continue
-        cpu, wait = cpu + int(on), wait + int(waiting)
-    return cpu, wait
+        cpu, wait, runs = cpu + int(on), wait + int(waiting), runs + int(count)
+    return cpu, wait, runs
+
+
+def kind_of(pid: int, script: bytes) -> str | None:
+    """What one of this benchmark's processes is: worker (runs ``script``), agent, etcd, other."""
+    argv = procfs.cmdline(pid)
+    if not argv:
+        return None
+    if script in argv[1:3]:
+        return "worker"
+    if b"agent" in argv[1:3]:
+        return "agent"
+    return "etcd" if os.path.basename(argv[0]) == b"etcd" else "other"
+
+
+def cpu_sample(script: Path = common.GPT) -> dict:
+    """Now: per process of ours (this one's descendants) its kind, CPU ticks and times it was put
+    on a CPU (/proc/PID/task/*/schedstat: a wake-up or a return from preemption); and the CPU
+    ticks of every process that is not ours."""
+    table = procfs.table()
+    ours = procfs.descendants(os.getpid(), table)
+    procs = {}
+    for pid in ours:
+        kind = kind_of(pid, str(script).encode())
+        if kind is not None:
+            procs[pid] = {"kind": kind, "ticks": table[pid][1], "runs": sched_ns(pid)[2]}
+    return {"t": time.monotonic(), "procs": procs,
+            "foreign": {pid: ticks for pid, (_, ticks, _) in table.items() if pid not in ours and pid != os.getpid()}}
+
+
+def cpu_between(before: dict, after: dict) -> dict:
+    """Cores used per kind of our processes between two samples, ``outside`` for the others, and
+    per agent and etcd process the times a second it was put on a CPU."""
+    seconds = after["t"] - before["t"]
+    cores: dict[str, float] = collections.defaultdict(float)
+    runs: dict[str, float] = {}
+    for pid, v in after["procs"].items():
+        old = before["procs"].get(pid)
+        if old is None or old["kind"] != v["kind"]:
+            continue  # started meanwhile (an exec wrapper that became a worker): not comparable
+        cores[v["kind"]] += (v["ticks"] - old["ticks"]) / CLK_TCK / seconds
+        if v["kind"] in ("agent", "etcd"):
+            runs[f"{v['kind']} {pid}"] = round((v["runs"] - old["runs"]) / seconds, 1)
+    outside = sum(max(0, t - before["foreign"].get(p, t)) for p, t in after["foreign"].items())
+    cores["outside"] = outside / CLK_TCK / seconds
+    return {"seconds": round(seconds, 1), "cores": {k: round(x, 4) for k, x in sorted(cores.items())},
+            "on_cpu_per_s": runs}
 
 
 def etcd_pid(root: int) -> int | None:
@@ -305,6 +351,22 @@ def kill_once(job: common.TmrunJob, args, known: int) -> dict:
             "kill_to_first_step_s": round(r + swap["first_step_s"] - t_kill, 4) if swap["first_step_s"] else None}
 
 
+def steady_state(job: common.TmrunJob, seconds: float) -> dict:
+    """The agents' and etcd's CPU in steady state: ``seconds`` of training with the standbys warm,
+    in which this benchmark asks the job nothing (no ``tmrun status``)."""
+    print(f"[{NAME}] steady state: {seconds:g} s of training, nobody asks anything", flush=True)
+    steps, _ = common.read_log(job.step_log)
+    first = steps[-1]["step"]
+    before = cpu_sample()
+    time.sleep(seconds)
+    used = cpu_between(before, cpu_sample())
+    steps, _ = common.read_log(job.step_log)
+    used["steps_per_s"] = round((steps[-1]["step"] - first) / used["seconds"], 2)
+    print(f"[{NAME}] steady state: cores {used['cores']}, on a CPU per second {used['on_cpu_per_s']}, "
+          f"{used['steps_per_s']} steps/s", flush=True)
+    return used
+
+
 # ------------------------------------------------------------------------------ etcd round trips
 
 async def _round_trips(endpoint: str, job: str, n: int) -> dict[str, list[float]]:
@@ -407,6 +469,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drains", type=count(1), default=5, help="drains with --rejoin (default 5)")
     p.add_argument("--kills", type=count(0), default=2, help="kill -9 of a worker, one standby each (default 2)")
     p.add_argument("--rtt", type=count(1), default=200, help="sequential etcd calls per kind (default 200)")
+    p.add_argument("--steady", type=float, default=30.0,
+                   help="seconds of steady state (standbys warm, nobody asks anything) in which the agents' and "
+                        "etcd's CPU and wake-ups are measured first (default 30; 0: none)")
     p.add_argument("--threads", type=count(1), default=1, help="torch threads per worker (default 1)")
     p.add_argument("--profile", action="store_true", help="py-spy record the agents during each drain")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any one wait may take (default 300)")
@@ -415,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.drains, args.kills, args.rtt = min(args.drains, 2), min(args.kills, 1), min(args.rtt, 50)
+        args.steady = min(args.steady, 10.0)
     name = NAME + ("_quick" if args.quick else "")
     profile_dir = common.RESULTS / f"{name}_profile" if args.profile else None
     if profile_dir is not None and shutil.which("py-spy") is None:
@@ -430,10 +496,9 @@ def main(argv: list[str] | None = None) -> int:
         common.wait_for_step(job.step_log, 5, args.timeout, [job.proc])
         job.wait_hot(standby, args.timeout)
         wait_standbys_quiet(job, args.timeout)
+        steady = steady_state(job, args.steady) if args.steady else None
         print(f"[{NAME}] etcd round trips ({args.rtt} each)", flush=True)
-        sampler = ProcSampler(common.GPT)
-        sampler.start()  # (to notice processes that are not ours)
-        before = sampler.sample()
+        before = cpu_sample()
         rtt = round_trips(job, args.rtt)
         for k in range(args.drains):
             drains.append(drain_once(job, args, len(drains) + len(kills), profile_dir, k))
@@ -446,15 +511,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{NAME}] kill {k + 1}: {x['node']}: reported {ms(x['kill_to_report_s'])} ms, plan written "
                   f"{ms(x['kill_to_plan_s'])} ms, phase 1 started {ms(x['kill_to_phase1_s'])} ms after the kill",
                   flush=True)
-        cpu = cpu_use(before, sampler.sample())
+        cpu = cpu_between(before, cpu_sample())["cores"]
     finally:
         job.stop()
         if not args.keep:
             shutil.rmtree(wd, ignore_errors=True)
-    return report(name, args, rtt, drains, kills, cpu)
+    return report(name, args, rtt, drains, kills, cpu, steady)
 
 
-def report(name: str, args, rtt: dict, drains: list[dict], kills: list[dict], cpu: dict) -> int:
+def report(name: str, args, rtt: dict, drains: list[dict], kills: list[dict], cpu: dict,
+           steady: dict | None) -> int:
     drain_cols = ["#", "drained", "leader", "tmrun drain start → request", "→ plan written", "→ phase 1 started (all)",
                   "slowest member", "→ phase 1 done", "→ switched", "→ first step"]
     drain_rows = []
@@ -529,6 +595,20 @@ def report(name: str, args, rtt: dict, drains: list[dict], kills: list[dict], cp
     targets = [{"target": "drain request → phase 1 started on every member ≤ 50 ms (every drain)",
                 "measured": f"median {ms(median_phase1)} ms, max {ms(worst)} ms" if phase1 else "-",
                 "met": met, "reason": reason}]
+    if kills:
+        to_plan = [k["kill_to_plan_s"] for k in kills]
+        targets.append({"target": "kill -9 → plan written ≤ 50 ms (every kill)",
+                        "measured": f"median {ms(statistics.median(to_plan))} ms, max {ms(max(to_plan))} ms",
+                        "met": max(to_plan) <= TARGET_PHASE1_S,
+                        "reason": f"of which kill → failure reported {ms(statistics.median(k['kill_to_report_s'] for k in kills))} ms "
+                                  "(median): the agent notices the exit and reads the worker's last lines"})
+    steady_cols = ["process", "cores", "on a CPU per second"]
+    steady_rows = []
+    if steady:
+        steady_rows = [[kind, steady["cores"].get(kind), None] for kind in ("worker", "agent", "etcd", "other", "outside")]
+        steady_rows += [[name, None, runs] for name, runs in sorted(steady["on_cpu_per_s"].items())]
+        common.print_table(f"Steady state: {steady['seconds']} s, {steady['steps_per_s']} steps/s, nobody asks anything",
+                           steady_cols, steady_rows)
     common.print_table("Targets", ["target", "measured", "met"],
                        [[t["target"], t["measured"], "yes" if t["met"] else f"NO: {t['reason']}"] for t in targets])
     print(f"[{NAME}] {breakdown}", flush=True)
@@ -548,6 +628,8 @@ def report(name: str, args, rtt: dict, drains: list[dict], kills: list[dict], cp
         "member_prepared_ms_median": {kind: ms(statistics.median(v)) for kind, v in member_by_kind.items()},
         "kill_to_plan_ms": {"median": ms(statistics.median([k["kill_to_plan_s"] for k in kills])),
                             "max": ms(max(k["kill_to_plan_s"] for k in kills))} if kills else None,
+        "kill_to_report_ms_median": ms(statistics.median(k["kill_to_report_s"] for k in kills)) if kills else None,
+        "steady_state": steady,
         "etcd_floor_ms": floor_ms,
         "agents_runqueue_wait_ms_median": statistics.median(waits) if waits else None,
         "where_the_time_goes": breakdown,
@@ -557,6 +639,7 @@ def report(name: str, args, rtt: dict, drains: list[dict], kills: list[dict], cp
            "drains": drains, "kills": kills, "etcd_round_trips": rtt,
            "drain_path": [dict(zip(["who", "call", "where", "on_path"], row)) for row in DRAIN_PATH],
            "settings": {"params": args.params, "drains": args.drains, "kills": args.kills, "rtt": args.rtt,
+                        "steady": args.steady,
                         "threads": args.threads, "profile": args.profile, "tmrun_conf": common.TMRUN_CONF},
            "plot": str(png.relative_to(common.REPO))}
     path = common.save(name, doc)
@@ -569,6 +652,10 @@ def report(name: str, args, rtt: dict, drains: list[dict], kills: list[dict], cp
         f"(listed below) at the medians measured here.\n\n{breakdown}" + (f"\n\n{warning}" if warning else ""),
         [("Drains (ms after the request was created, unless said):", drain_cols, drain_rows)] +
         ([("Kills (ms after kill -9):", kill_cols, kill_rows)] if kills else []) +
+        ([(f"Steady state before the drains: {steady['seconds']} s of training ({steady['steps_per_s']} steps/s, "
+           "standbys warm, nobody asks the job anything): cores per kind of process (`outside`: processes this "
+           "benchmark did not start) and how often each agent and etcd was put on a CPU (a wake-up or a return "
+           "from preemption, /proc/PID/task/*/schedstat):", steady_cols, steady_rows)] if steady else []) +
         [("While each `tmrun drain` command ran (start to return, the whole swap): the agents' and etcd's CPU "
           "time and their time runnable but waiting for a CPU, from /proc/PID/task/*/schedstat:", sched_cols,
           sched_rows),
