@@ -34,13 +34,15 @@ import traceback
 from pathlib import Path
 from typing import Callable, Iterator
 
-from bench.common import REPO, command_line, machine, save
-from tests import chaos
-from tests.harness import Job
+if not __package__:  # `python bench/X.py`: the repo root, not bench/, on sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+from bench import common  # noqa: E402
+from tests import chaos  # noqa: E402
+from tests.harness import Job  # noqa: E402
 
-REPORT = REPO / "docs" / "reliability.md"
-ROWS = REPO / "bench" / "results" / "chaos-rows.jsonl"
-HOST_ROWS = REPO / "bench" / "results" / "chaos-hosts-rows.jsonl"
+REPORT = common.REPO / "docs" / "reliability.md"
+ROWS = common.REPO / "bench" / "results" / "chaos-rows.jsonl"
+HOST_ROWS = common.REPO / "bench" / "results" / "chaos-hosts-rows.jsonl"
 
 
 def reference(directory: Path) -> Path:
@@ -201,7 +203,7 @@ def _notes() -> str:
 def write_report() -> None:
     rows, host_rows = _saved(ROWS), _saved(HOST_ROWS)
     last = rows[-1] if rows else {}
-    REPORT.write_text(report(rows, last.get("command", command_line()), last.get("machine", machine()), host_rows,
+    REPORT.write_text(report(rows, last.get("command", common.command_line()), last.get("machine", common.machine()), host_rows,
                              host_rows[-1].get("command", "") if host_rows else "", _notes()))
 
 
@@ -214,13 +216,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hosts", action="store_true", help="on separate hosts: the SLURM lab (needs root)")
     parser.add_argument("--no-report", action="store_true", help="do not rewrite docs/reliability.md")
     parser.add_argument("--report-only", action="store_true",
-                        help=f"write the report from the rows saved in {ROWS.parent.relative_to(REPO)}; run nothing")
+                        help=f"write the report from the rows saved in {ROWS.parent.relative_to(common.REPO)}; run nothing")
     args = parser.parse_args(argv)
     if args.report_only:
         write_report()
         return summary(_saved(HOST_ROWS if args.hosts else ROWS))
     seeds = args.seed or list(range(args.first, args.seeds))
-    info, command = machine(), command_line()
+    info, command = common.machine(), common.command_line()
     rows_file = HOST_ROWS if args.hosts else ROWS
     rows_file.parent.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -232,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(run_seed_on_hosts(seed, slurm, ref) if slurm else run_seed(seed, root, ref))
             saved.write(json.dumps({**rows[-1], "command": command, "machine": info}) + "\n")
             saved.flush()
-    save("chaos-hosts" if args.hosts else "chaos", {"rows": rows})
+    common.save("chaos-hosts" if args.hosts else "chaos", {"rows": rows})
     if not args.no_report:
         write_report()
     return summary(rows)

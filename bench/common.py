@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 GPT = REPO / "examples" / "train_gpt.py"
@@ -83,38 +83,66 @@ def save(name: str, doc: dict[str, Any]) -> Path:
 
 # ---------------------------------------------------------------------------- step logs
 
+def read_records(path: Path) -> list[dict]:
+    """Every whole record of a step log, in file order (events such as ``started``, ``loaded`` and
+    ``done`` included); a line being written, or one cut short by a kill, is skipped. No file: []."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return []
+    records = []
+    for line in text.splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue  # not a whole JSON line (a JSON object has no prefix that is one)
+    return records
+
+
 def read_log(path: Path) -> tuple[list[dict], list[dict]]:
     """(committed-step records in time order, other records such as ``done``)."""
     steps, other = [], []
-    if not Path(path).exists():
-        return steps, other
-    for line in Path(path).read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # a line cut short by a kill
+    for record in read_records(path):
         (steps if "step" in record and "event" not in record else other).append(record)
     steps.sort(key=lambda r: r["t"])
     return steps, other
 
 
-def wait_for_step(path: Path, step: int, timeout: float, alive: Iterable[subprocess.Popen] = ()) -> float:
-    """Poll the step log until a record with ``step >= step`` appears; its time.
+def wait_record(path: Path, match: Callable[[dict], bool], timeout: float, alive: Callable[[], bool] = lambda: True,
+                what: str = "the step", poll: float = 0.02) -> dict:
+    """Poll a step log (every ``poll`` s, reading it only when it grew) for the first committed-step
+    record, in time order, that ``match``es; that record.
 
-    Benchmarks poll a file written by other processes (there is nothing to wait on); the tests,
-    which must not sleep, use etcd watches instead.
+    Fine enough that a kill lands early in the next step, and it spawns nothing: a benchmark must
+    not take CPU from the job it measures. Benchmarks poll a file written by other processes
+    (there is nothing to wait on); the tests, which must not sleep, use etcd watches instead.
+    ``alive()`` false: RuntimeError; past ``timeout``: TimeoutError.
     """
-    deadline = time.monotonic() + timeout
+    deadline, size = time.monotonic() + timeout, -1
     while time.monotonic() < deadline:
-        steps, _ = read_log(path)
-        hits = [r for r in steps if r["step"] >= step]
-        if hits:
-            return hits[0]["t"]
-        for proc in alive:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the job ended (exit {proc.returncode}) before step {step}")
-        time.sleep(0.05)
-    raise TimeoutError(f"step {step} not reached within {timeout:g} s ({path})")
+        try:
+            now = Path(path).stat().st_size
+        except FileNotFoundError:
+            now = 0
+        if now != size:
+            size = now
+            hit = next((r for r in read_log(path)[0] if match(r)), None)
+            if hit is not None:
+                return hit
+        if not alive():
+            raise RuntimeError(f"the job ended before {what} ({path})")
+        time.sleep(poll)
+    raise TimeoutError(f"{what}: not within {timeout:g} s ({path})")
+
+
+def wait_for_step(path: Path, step: int, timeout: float, alive: Iterable[subprocess.Popen] = (),
+                  after: float = 0.0) -> float:
+    """The wall time of the first committed step ``>= step`` (logged after time ``after``), once the
+    step log shows it; while any of ``alive`` runs (none given: no check)."""
+    procs = list(alive)
+    hit = wait_record(path, lambda r: r["step"] >= step and r["t"] > after, timeout,
+                      lambda: not procs or all(p.poll() is None for p in procs), f"step {step}")
+    return hit["t"]
 
 
 def step_times(steps: Sequence[dict]) -> list[tuple[float, float]]:

@@ -28,9 +28,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agent.etcd_server import EmbeddedEtcd
-from bench.common import RESULTS, machine, save
-from tests.control_plane_sim import simulate
+if not __package__:  # `python bench/X.py`: the repo root, not bench/, on sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+from agent.etcd_server import EmbeddedEtcd  # noqa: E402
+from bench import common  # noqa: E402
+from tests.control_plane_sim import simulate  # noqa: E402
 
 GOALS = "rendezvous of 1,000 nodes <= 5 s; drain -> every member <= 200 ms at p99; traffic linear in N, not in age"
 
@@ -86,11 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     for nodes in args.nodes or [10, 100, 500, 1000]:
         rows.append(run_one(nodes, args.lease_ttl, args.window, args.timeout, min(args.processes, nodes), args.ramp))
         print(rows[-1], flush=True)
-    save("control_plane_scale", {"rows": rows, "goals": GOALS})
-    info = machine()
+    common.save("control_plane_scale", {"rows": rows, "goals": GOALS})
+    info = common.machine()
     text = (f"Machine: {info['cpu']}, {info['cores']} cores; torch {info['torch']}, commit {info['tmrun_commit']}.\n\n"
             + table(rows) + "\n")
-    (RESULTS / "control_plane_scale.md").write_text(text)
+    (common.RESULTS / "control_plane_scale.md").write_text(text)
     print(text)
     return 0 if all(r["ok"] for r in rows) else 1
 

@@ -35,13 +35,10 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-for _path in (str(HERE), str(HERE.parent)):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
-
-import common  # noqa: E402
-from competitors import torchrun_job  # noqa: E402
+if not __package__:  # `python bench/X.py`: the repo root, not bench/, on sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+from bench import common  # noqa: E402
+from bench.competitors import torchrun_job  # noqa: E402
 
 NAME = "elastic"
 GOAL_STALL_STEPS = 2.0
@@ -177,7 +174,7 @@ def run_torchrun(args, wd: Path) -> dict:
         job.kill()
     if any(codes):
         raise RuntimeError(f"torchrun agents exited {codes}; see {wd}/agents")
-    lines = torchrun_job.read_step_log(log)
+    lines = common.read_records(log)
     steps = [ln for ln in lines if "event" not in ln]
     rows = []
     for at, what in marks:

@@ -63,11 +63,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent / "examples")]
-
-import common  # noqa: E402
-from steady_state import CLK_TCK, CpuTrace, ProcSampler  # noqa: E402
+if not __package__:  # `python bench/X.py`: the repo root, not bench/, on sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "examples"))  # train_gpt
+from bench import common  # noqa: E402
+from bench.steady_state import CLK_TCK, CpuTrace, ProcSampler  # noqa: E402
 
 NAME = "etcd_failure"
 TMRUN_CONF = "join_timeout=120"  # tmrun's defaults otherwise (lease_ttl 5 s, store_timeout 20 s, outage bound 900 s)

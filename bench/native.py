@@ -38,8 +38,10 @@ import sys
 import time
 from pathlib import Path
 
-import common
-from competitors import torchrun_job as tj
+if not __package__:  # `python bench/X.py`: the repo root, not bench/, on sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+from bench import common  # noqa: E402
+from bench.competitors import torchrun_job as tj  # noqa: E402
 
 NAME = "native"
 SCRIPT = common.REPO / "examples" / "train_gpt_fsdp.py"

@@ -59,8 +59,10 @@ import sys
 import time
 from pathlib import Path
 
-import common
-from competitors import torchrun_job as tj
+if not __package__:  # `python bench/X.py`: the repo root, not bench/, on sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+from bench import common  # noqa: E402
+from bench.competitors import torchrun_job as tj  # noqa: E402
 
 NAME = "planned_migration"
 SWAP_FIELDS = ("phase1_started_s", "phase1_done_s", "switched_s", "first_step_s", "stall_s", "joiner_stall_s",
@@ -203,7 +205,7 @@ def run_torchrun(size: str, steps: int, at: int, ckpt_every: int, timeout: float
         job.kill()
     steps_log, _ = common.read_log(log)
     inter = common.interruption(steps_log, info["t"])
-    rec = tj.recovery(tj.read_step_log(log), info["t"])
+    rec = tj.recovery(common.read_records(log), info["t"])
     shutil.rmtree(wd, ignore_errors=True)
     return {"competitor": "torchrun", "size": size, "event_step": inter.last_before,
             "events": [(info["t"], "stop + restart")], "median_step_s": inter.median_step,

@@ -28,13 +28,10 @@ import statistics
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-for _path in (str(HERE), str(HERE.parent)):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
-
-import common  # noqa: E402
-from control_plane import Parser, write_markdown  # noqa: E402
+if not __package__:  # `python bench/X.py`: the repo root, not bench/, on sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+from bench import common  # noqa: E402
+from bench.control_plane import Parser, write_markdown  # noqa: E402
 
 from tests.netlab import NetLab, pull_over, unavailable_reason  # noqa: E402
 

@@ -49,10 +49,13 @@ import shutil
 import statistics
 import sys
 import time
+from pathlib import Path
 
-import common
-from competitors import torchrun_job as tj
-from planned_migration import lost_over
+if not __package__:  # `python bench/X.py`: the repo root, not bench/, on sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+from bench import common  # noqa: E402
+from bench.competitors import torchrun_job as tj  # noqa: E402
+from bench.planned_migration import lost_over  # noqa: E402
 
 NAME = "rebalancing"
 STEPS = 10_000_000  # beyond any window: the job is stopped when the window ends

@@ -30,12 +30,12 @@ import sys
 import time
 from pathlib import Path
 
-import common
-from competitors import torchrun_job as tj
-
-sys.path.insert(0, str(common.REPO))
+if not __package__:  # `python bench/X.py`: the repo root, not bench/, on sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 from agent.procfs import descendants, running  # noqa: E402
 from agent.warm import MARKER  # noqa: E402
+from bench import common  # noqa: E402
+from bench.competitors import torchrun_job as tj  # noqa: E402
 
 NAME = "restart_mode"
 SCRIPT = Path(tj.SCRIPT)

@@ -38,16 +38,13 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-for _path in (str(HERE), str(HERE.parent)):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
-
-import common  # noqa: E402
+if not __package__:  # `python bench/X.py`: the repo root, not bench/, on sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 from agent.etcd_server import free_port  # noqa: E402
+from bench import common  # noqa: E402
 # Shared helpers of the benchmarks (candidates for common.py).
-from control_plane import Parser, count, md_table, next_swap, pick_node, wait_standbys_quiet  # noqa: E402
-from steady_state import ProcSampler, cpu_use, params_of, size_list  # noqa: E402
+from bench.control_plane import Parser, count, md_table, next_swap, pick_node, wait_standbys_quiet  # noqa: E402
+from bench.steady_state import ProcSampler, cpu_use, params_of, size_list  # noqa: E402
 
 NAME = "transfer_limit"
 

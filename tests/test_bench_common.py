@@ -47,3 +47,23 @@ def test_read_log_skips_torn_lines_and_separates_events(tmp_path: Path) -> None:
     steps, other = common.read_log(path)
     assert [r["step"] for r in steps] == [1, 2]
     assert common.peak_rss_mib(other) == {0: 2.0}
+
+
+def test_read_records_keeps_events_in_file_order_and_skips_a_line_being_written(tmp_path: Path) -> None:
+    path = tmp_path / "steps.jsonl"
+    assert common.read_records(path) == []
+    lines = [{"t": 1.0, "event": "started"}, {"t": 2.0, "step": 1}, {"t": 1.5, "event": "loaded", "step": 0}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"t": 3.0, "step": 2')
+    assert common.read_records(path) == lines
+
+
+def test_wait_record_returns_the_first_match_in_time_order_or_says_why_not(tmp_path: Path) -> None:
+    path = tmp_path / "steps.jsonl"
+    path.write_text(json.dumps({"t": 2.0, "step": 2}) + "\n" + json.dumps({"t": 1.0, "step": 1}) + "\n")
+    assert common.wait_record(path, lambda r: r["step"] >= 1, timeout=1)["t"] == 1.0
+    assert common.wait_for_step(path, 2, timeout=1) == 2.0
+    assert common.wait_for_step(path, 1, timeout=1, after=1.5) == 2.0
+    with pytest.raises(RuntimeError):
+        common.wait_record(path, lambda r: r["step"] >= 3, timeout=1, alive=lambda: False)
+    with pytest.raises(TimeoutError):
+        common.wait_record(tmp_path / "none.jsonl", lambda r: True, timeout=0.1)

@@ -42,7 +42,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from agent.etcd_server import free_port
+if not __package__:  # `python bench/competitors/torchft_job.py`: the repo root, not this folder, on sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
+from agent.etcd_server import free_port  # noqa: E402
+from bench import common  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -150,18 +153,8 @@ def start(params: str, steps: int, replicas: int, step_log: str | os.PathLike, w
     return job
 
 
-def read_log(path: str | os.PathLike) -> list[dict]:
-    """The step log's step records (whole lines with a replica and a step; others are skipped)."""
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        return []
-    records = [json.loads(line) for line in text.splitlines() if line.endswith("}")]
-    return [r for r in records if "replica" in r and "step" in r]
-
-
 def summarize(records: list[dict], t_kill: float, killed: int, replicas: int) -> dict:
-    """Recovery numbers of one kill from the step log.
+    """Recovery numbers of one kill from the step records (``bench.common.read_log(path)[0]``).
 
     ``continue_s``: kill -> first step a surviving replica committed after it;
     ``full_size_s``: kill -> first step after it with ``participants == replicas``;
@@ -211,10 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"workdir {workdir} lighthouse {job.url}", flush=True)
     deadline = time.monotonic() + args.timeout
     try:
-        while max((r["step"] for r in read_log(args.step_log)), default=0) < args.kill_at:
-            if time.monotonic() > deadline or any(pr.poll() is not None for pr in job.procs):
-                sys.exit(f"torchft_job: never reached step {args.kill_at}; see {workdir}")
-            time.sleep(0.02)
+        try:
+            common.wait_record(args.step_log, lambda r: r["step"] >= args.kill_at, deadline - time.monotonic(),
+                               lambda: all(pr.poll() is None for pr in job.procs), f"step {args.kill_at}")
+        except (RuntimeError, TimeoutError):
+            sys.exit(f"torchft_job: never reached step {args.kill_at}; see {workdir}")
         t_kill = job.kill_replica(args.kill_replica)
         job.restart_replica(args.kill_replica)
         codes = job.wait(max(1.0, deadline - time.monotonic()))
@@ -222,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"torchft_job: timed out after {args.timeout:.0f}s; see {workdir}")
     finally:
         job.stop()
-    summary = summarize(read_log(args.step_log), t_kill, args.kill_replica, args.replicas)
+    summary = summarize(common.read_log(args.step_log)[0], t_kill, args.kill_replica, args.replicas)
     print(json.dumps({"exit_codes": codes, **summary}, indent=1))
     return 0 if all(c == 0 for c in codes) else 1
 

@@ -13,7 +13,7 @@ replaced node is what this module measures:
   is stopped (SIGTERM to both agents) and started again with the replacement node (new agents),
   which reload the latest checkpoint.
 
-:func:`recovery` reads the step log of ``torchrun_gpt.py --step-log`` to say what an event cost:
+:func:`recovery` reads the step log (:func:`bench.common.read_records`) of ``torchrun_gpt.py --step-log`` to say what an event cost:
 the time from the event to the next committed step and the steps computed twice.
 
 Where a restart's time goes (torch 2.13, CPU): the failed worker's agent notices within
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import shutil
 import signal
@@ -49,8 +48,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from agent.etcd_server import free_port
-from agent.procfs import children, cmdline
+if not __package__:  # `python bench/competitors/torchrun_job.py`: the repo root, not this folder, on sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
+from agent.etcd_server import free_port  # noqa: E402
+from agent.procfs import children, cmdline  # noqa: E402
+from bench import common  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().with_name("torchrun_gpt.py")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # what the ``torchrun`` entry point runs
@@ -240,26 +242,10 @@ def migrate(job: Job, leaving: str = "node1", joining: str = "node2", *, new_por
 
 
 # ---------------------------------------------------------------------------------- step log
-def read_step_log(path: Path) -> list[dict]:
-    """The whole lines of a ``--step-log`` file (a line being written is skipped)."""
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        return []
-    return [json.loads(line) for line in text.splitlines(keepends=True) if line.endswith("\n")]
-
-
 def wait_for_step(path: Path, step: int, job: Job, *, after: float = 0.0, timeout: float = 600.0) -> dict:
     """Poll the step log until a committed step >= ``step`` logged after time ``after``; that line."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for line in read_step_log(path):
-            if line.get("step", 0) >= step and "event" not in line and line["t"] > after:
-                return line
-        if all(n.agent.poll() is not None for n in job.nodes):
-            raise RuntimeError(f"the job ended before step {step}; see {job.log_dir}")
-        time.sleep(0.02)
-    raise TimeoutError(f"no step {step} in {path} within {timeout} s")
+    return common.wait_record(path, lambda r: r["step"] >= step and r["t"] > after, timeout,
+                              lambda: any(n.agent.poll() is None for n in job.nodes), f"step {step} (see {job.log_dir})")
 
 
 def recovery(lines: list[dict], t_event: float) -> dict:
@@ -368,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(ckpt_dir, ignore_errors=True)
     t_end = time.time()
 
-    lines = [ln for ln in read_step_log(args.step_log) if ln["t"] >= t0]
+    lines = [ln for ln in common.read_records(args.step_log) if ln["t"] >= t0]
     for what, t in events:
         _report(what, recovery(lines, t))
     print(f"total time {t_end - t0:.2f} s, agent exit codes {codes}", flush=True)
