@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from agent import procfs
+
 REPO = Path(__file__).resolve().parents[1]
 GPT = REPO / "examples" / "train_gpt.py"
 RESULTS = REPO / "bench" / "results"
@@ -302,6 +304,16 @@ class TmrunJob:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+
+
+def etcd_pid(launcher: int) -> int | None:
+    """The embedded etcd of a tmrun launcher: the process below ``launcher`` running the ``etcd``
+    binary (its child where there is one), or None."""
+    procs = procfs.table()
+    found = [pid for pid in sorted(procfs.descendants(launcher, procs))
+             if os.path.basename((procfs.cmdline(pid) or [b""])[0]) == b"etcd"]
+    direct = [pid for pid in found if procs[pid][0] == launcher]
+    return (direct or found or [None])[0]
 
 
 def workdir(name: str) -> Path:

@@ -125,53 +125,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 # ---------------------------------------------------------------------------- the job's etcd
 
-def _ppid(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat[stat.rindex(")") + 2:].split()[1])  # after "pid (comm) state"
-
-
-def _argv0(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-    except OSError:
-        return ""
-
-
 def etcd_pid(launcher: int) -> int:
-    """The etcd process in ``launcher``'s process tree (its child; any descendant otherwise)."""
-    parent = {pid: _ppid(pid) for pid in (int(d) for d in os.listdir("/proc") if d.isdigit())}
-    tree, frontier = [], [launcher]
-    while frontier:
-        kids = [pid for pid, pp in parent.items() if pp in frontier]
-        tree += kids
-        frontier = kids
-    found = [pid for pid in tree if _argv0(pid) == "etcd" or _argv0(pid).endswith("/etcd")]
-    if not found:
+    pid = common.etcd_pid(launcher)
+    if pid is None:
         raise RuntimeError(f"no etcd process under the launcher (pid {launcher})")
-    direct = [pid for pid in found if parent[pid] == launcher]
-    return (direct or found)[0]
+    return pid
 
 
 # ---------------------------------------------------------------------------- waiting on files
-
-def wait_step(job: common.TmrunJob, step: int, timeout: float) -> dict:
-    """Poll the step log (every 20 ms, reading it only when it grew) for a record with ``step >= step``."""
-    deadline, size = time.monotonic() + timeout, -1
-    while time.monotonic() < deadline:
-        now = job.step_log.stat().st_size if job.step_log.exists() else 0
-        if now != size:
-            size = now
-            hit = next((r for r in common.read_log(job.step_log)[0] if r["step"] >= step), None)
-            if hit is not None:
-                return hit
-        if job.proc.poll() is not None:
-            raise RuntimeError(f"the job ended (exit {job.proc.returncode}) before step {step}")
-        time.sleep(POLL)
-    raise TimeoutError(f"step {step} not reached within {timeout:g} s")
-
 
 def wait_stderr(job: common.TmrunJob, pattern: str, after: int, timeout: float) -> tuple[float, str] | None:
     """Poll the job's stderr from byte ``after`` for a line matching ``pattern``: (when seen, the line)."""
@@ -220,7 +181,7 @@ def run(args, wd: Path, *, events: bool) -> dict:
                 raise RuntimeError(f"the standby was warm only at step {out['hot_at_step']}: "
                                    f"use --kill-at >= {out['hot_at_step'] + 10}")
             pid = etcd_pid(job.proc.pid)
-            wait_step(job, args.kill_at, args.timeout)
+            common.wait_for_step(job.step_log, args.kill_at, args.timeout, [job.proc])
             err_at = (wd / "tmrun.err").stat().st_size
             t_kill = time.time()
             os.kill(pid, signal.SIGKILL)
@@ -229,7 +190,7 @@ def run(args, wd: Path, *, events: bool) -> dict:
                     "back_line": back[1] if back else None}
             out["events"].append(kill)
             if args.stop_at:
-                wait_step(job, args.stop_at, args.timeout)
+                common.wait_for_step(job.step_log, args.stop_at, args.timeout, [job.proc])
                 pid2 = etcd_pid(job.proc.pid)
                 t_stop = time.time()
                 os.kill(pid2, signal.SIGSTOP)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -67,3 +69,21 @@ def test_wait_record_returns_the_first_match_in_time_order_or_says_why_not(tmp_p
         common.wait_record(path, lambda r: r["step"] >= 3, timeout=1, alive=lambda: False)
     with pytest.raises(TimeoutError):
         common.wait_record(tmp_path / "none.jsonl", lambda r: True, timeout=0.1)
+
+
+def test_etcd_pid_finds_the_etcd_binary_below_the_launcher() -> None:
+    import subprocess
+    import time
+
+    launcher = subprocess.Popen(["bash", "-c", "(exec -a /opt/bin/etcd sleep 30) & wait"])
+    pid = None
+    try:
+        deadline = time.monotonic() + 5
+        while (pid := common.etcd_pid(launcher.pid)) is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert pid is not None and pid != launcher.pid
+        assert common.etcd_pid(pid) is None  # nothing below the etcd itself
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGKILL)
+        launcher.wait()
