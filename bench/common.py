@@ -16,6 +16,7 @@ Results go to ``bench/results/<name>.json`` (with the machine and the command) a
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -28,7 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, NoReturn, Sequence
 
 from agent import procfs
 
@@ -326,6 +327,19 @@ def peak_rss_mib(records: Iterable[dict]) -> dict[int, float]:
 
 
 # ---------------------------------------------------------------------------- output
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage dump)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def md_table(columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A Markdown table, the cells as :func:`print_table` shows them (``|`` escaped)."""
+    return "\n".join(["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)] +
+                     ["| " + " | ".join(_fmt(v).replace("|", "\\|") for v in row) + " |" for row in rows])
+
 
 def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
     from rich.console import Console

@@ -78,13 +78,8 @@ QUIET_LIMIT = 0.25  # a step is "quiet" when the rest of the machine used at mos
 CPU_INTERVAL = 0.5  # seconds between samples of /proc (CPU time of the job's processes and of the rest)
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, no usage dump
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = Parser(prog="etcd_failure", description=__doc__.split("\n\n")[0],
+    p = common.Parser(prog="etcd_failure", description=__doc__.split("\n\n")[0],
                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", help=f"model size (default {DEFAULTS['size']})")
     p.add_argument("--steps", type=int, help=f"steps per run (default {DEFAULTS['steps']})")
@@ -438,12 +433,6 @@ def cpu_rows(res: dict) -> list[list]:
     return out
 
 
-def md_table(columns, body) -> str:
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(common._fmt(v) for v in row) + " |" for row in body]
-    return "\n".join(lines)
-
-
 def markdown(doc: dict, columns, rows, ev_rows, c_rows) -> str:
     m, a, res = doc["machine"], doc["parameters"], doc["result"]
     kill = next((e for e in res["events"] if e["kind"] == "kill"), {})
@@ -467,9 +456,9 @@ def markdown(doc: dict, columns, rows, ev_rows, c_rows) -> str:
             f"{QUIET_LIMIT:g} cores in every 0.5 s CPU sample that overlaps them; the medians are taken over quiet "
             "steps. "
             "*Steps lost*: step indices committed twice plus indices never committed.", "",
-            md_table(columns, rows), "", md_table(EVENT_COLUMNS, ev_rows), "",
+            common.md_table(columns, rows), "", common.md_table(EVENT_COLUMNS, ev_rows), "",
             "CPU used (cores, from /proc/PID/stat every 0.5 s; *not ours*: every other process on the machine):", "",
-            md_table(CPU_COLUMNS, c_rows), "",
+            common.md_table(CPU_COLUMNS, c_rows), "",
             f"Generations seen in the step log: {res['generations']}; world sizes: {res['worlds']}. "
             f"The whole benchmark took {doc['total_s'] / 60:.1f} min.", "",
             f"![Step time with etcd killed and frozen](bench/{NAME}.png)", ""]

@@ -264,18 +264,13 @@ def table(runs: list[dict]) -> tuple[list[str], list[list]]:
 
 
 def markdown(doc: dict, png: Path) -> str:
-    def cell(v):
-        return common._fmt(v)
-
     columns, rows = table(doc["runs"])
     lines = ["## Planned migration", "", "```", doc["command"], "```", "",
              f"Loopback bandwidth (socket copy of {doc['parameters']['loopback_mb']} MB): "
              f"{doc['loopback_bytes_per_s'] / 1e9:.2f} GB/s. tmrun: 2 nodes + 1 standby, `tmrun drain` at step "
              f"{doc['parameters']['at']}; torchrun: checkpoint every {doc['parameters']['ckpt_every']} steps, "
              "stop + restart with the replacement node + reload at the same step.", "",
-             "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for values in rows:
-        lines.append("| " + " | ".join(cell(v) for v in values) + " |")
+             common.md_table(columns, rows)]
     lines += ["", "Targets:", ""]
     for size, tg in doc["targets"].items():
         for key, t in tg.items():

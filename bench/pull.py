@@ -31,7 +31,7 @@ from pathlib import Path
 if not __package__:  # `python bench/X.py`: the repo root, not bench/, on sys.path
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 from bench import common  # noqa: E402
-from bench.control_plane import Parser, write_markdown  # noqa: E402
+from bench.control_plane import write_markdown  # noqa: E402
 
 from tests.netlab import NetLab, pull_over, unavailable_reason  # noqa: E402
 
@@ -83,7 +83,7 @@ def plot(results: dict[str, dict]) -> Path:
 
 
 def main() -> None:
-    parser = Parser(description=__doc__.splitlines()[0])
+    parser = common.Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=float, default=64.0)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--equal", type=float, default=80.0, help="Mbit/s of every source, equal links")

@@ -189,9 +189,7 @@ def markdown(doc: dict, png) -> str:
              f"GPT {p['size']}, a drain (tmrun: `tmrun drain NODE --rejoin`, the two ranks in turn) or a "
              f"stop + restart + reload (torchrun, checkpoint every {p['ckpt_every']} steps) every {p['period']:g} s "
              f"over a window of {p['rounds']} x {p['period']:g} s, against an uninterrupted run of each.", "",
-             "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for values in rows:
-        lines.append("| " + " | ".join(common._fmt(v) for v in values) + " |")
+             common.md_table(columns, rows)]
     t = doc["target"]
     lines += ["", f"Target: **{'met' if t['met'] else 'missed'}** ({t['reason']})", "",
               f"![Step time under rebalancing](bench/{png.name})", ""]

@@ -43,7 +43,7 @@ if not __package__:  # `python bench/X.py`: the repo root, not bench/, on sys.pa
 from agent.etcd_server import free_port  # noqa: E402
 from bench import common  # noqa: E402
 # Shared helpers of the benchmarks (candidates for common.py).
-from bench.control_plane import Parser, count, md_table, next_swap, pick_node, wait_standbys_quiet  # noqa: E402
+from bench.control_plane import count, next_swap, pick_node, wait_standbys_quiet  # noqa: E402
 from bench.steady_state import ProcSampler, cpu_use, params_of, size_list  # noqa: E402
 
 NAME = "transfer_limit"
@@ -168,7 +168,7 @@ def drains_of(size: str, args) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog="bench/transfer_limit.py", description=__doc__.splitlines()[0],
+    p = common.Parser(prog="bench/transfer_limit.py", description=__doc__.splitlines()[0],
                epilog="Run nothing else on the machine meanwhile (on a shared machine: "
                       "flock /tmp/tmrun-bench.lock python bench/transfer_limit.py ...).")
     p.add_argument("--sizes", type=size_list, default=None, help="model sizes, comma-separated (default 5M,50M)")
@@ -267,7 +267,7 @@ def report(name: str, args, sizes: list[str], lo: dict, gloo: dict, results: dic
              "not train because of the swap (the joiner's own wait, from its promotion to its first step, is "
              "listed apart). References, measured in the same run (on this machine gloo's own point-to-point "
              "transfer beats a single Python socket stream, so it is the tighter limit):",
-             "", *ref, "", "```", common.command_line(), "```", "", md_table(cols, rows), "",
+             "", *ref, "", "```", common.command_line(), "```", "", common.md_table(cols, rows), "",
              *[f"- {text}" for text in findings], ""]
     md = common.RESULTS / f"{name}.md"
     md.write_text("\n".join(lines))

@@ -87,3 +87,14 @@ def test_etcd_pid_finds_the_etcd_binary_below_the_launcher() -> None:
         if pid is not None:
             os.kill(pid, signal.SIGKILL)
         launcher.wait()
+
+
+def test_md_table_formats_cells_like_the_printed_tables_and_escapes_pipes() -> None:
+    assert common.md_table(["a", "b"], [["x|y", 0.12345], [None, 1234.5]]) == \
+        "| a | b |\n|---|---|\n| x\\|y | 0.123 |\n| - | 1234 |"
+
+
+def test_parser_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        common.Parser(prog="x").parse_args(["--nope"])
+    assert exit_.value.code == 2 and capsys.readouterr().err == "x: error: unrecognized arguments: --nope\n"
