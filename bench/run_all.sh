@@ -1,6 +1,7 @@
 #!/bin/bash
 # Every benchmark, one after the other, with the settings docs/benchmarks.md reports.
-# Each takes the lock, so that nothing else this repository starts competes for the cores.
+# Each runs as python bench/X.py (python -m bench.X works as well) and takes the lock, so that
+# nothing else this repository starts competes for the cores.
 # Usage: bash bench/run_all.sh   (about 110 minutes on 2 cores; results in bench/results, plots in docs/bench)
 set -u
 cd "$(dirname "$0")/.."
@@ -19,5 +20,4 @@ run native.py --hsdp --params 50M --steps 30 --at 15 --torchrun
 run native.py --steady-repeats 3 --every 10 --params 50M --steps 25
 run restart_mode.py
 run link_event.py --cuts 3
-echo "== python -m bench.control_plane_scale"
-flock /tmp/tmrun-bench.lock python -m bench.control_plane_scale || echo "!! bench.control_plane_scale failed"
+run control_plane_scale.py
