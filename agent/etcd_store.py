@@ -204,6 +204,8 @@ class _Client(aetcd.Client):
         self._target = format_endpoint(host, port)
         self._credentials = credentials
         self._login = login
+        self._lease_stream = None  # the LeaseKeepAlive stream (keep_lease_alive), opened on first use
+        self._lease_lock = asyncio.Lock()
 
     async def connect(self) -> None:
         if self._connected.is_set():
@@ -231,6 +233,39 @@ class _Client(aetcd.Client):
             raise _client_error(exc) from exc
         self.metadata = (("token", reply.token),)
         self._watcher._metadata = self.metadata  # aetcd's watcher keeps its own copy
+        self._drop_lease_stream()  # opened with the old token
+
+    async def keep_lease_alive(self, lease: int):
+        """One LeaseKeepAlive on a stream kept open between refreshes (aetcd's ``refresh_lease``
+        opens and abandons a stream per refresh: its setup and teardown cost the agent and etcd a
+        dozen wake-ups each, once a second for every agent). Any error or cancel closes the
+        stream, so a reply is never read for the wrong request; the next refresh opens another."""
+        await self.connect()
+        async with self._lease_lock:
+            try:
+                if self._lease_stream is None:
+                    self._lease_stream = self.leasestub.LeaseKeepAlive(metadata=self.metadata)
+                await asyncio.wait_for(self._lease_stream.write(rpc.LeaseKeepAliveRequest(ID=lease)), self._timeout)
+                reply = await asyncio.wait_for(self._lease_stream.read(), self._timeout)
+            except asyncio.TimeoutError:
+                self._drop_lease_stream()
+                raise aetcd.ConnectionTimeoutError("no answer to a lease keepalive in time") from None
+            except BaseException:
+                self._drop_lease_stream()
+                raise
+            if reply is grpc.aio.EOF:
+                self._drop_lease_stream()
+                raise aetcd.ConnectionFailedError("etcd closed the lease keepalive stream")
+            return reply
+
+    def _drop_lease_stream(self) -> None:
+        stream, self._lease_stream = getattr(self, "_lease_stream", None), None
+        if stream is not None:
+            stream.cancel()
+
+    async def close(self) -> None:
+        self._drop_lease_stream()
+        await super().close()
 
 
 def _encode(value: dict) -> bytes:
@@ -448,7 +483,7 @@ class EtcdStore(Store):
         return lease.id
 
     async def refresh_lease(self, lease: int) -> int:
-        reply = await self._call("refresh_lease", lambda c: c.refresh_lease(lease))
+        reply = await self._call("refresh_lease", lambda c: c.keep_lease_alive(lease))
         return 0 if reply is None else max(0, reply.TTL)
 
     async def revoke_lease(self, lease: int) -> None:
