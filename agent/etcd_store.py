@@ -403,6 +403,21 @@ class EtcdStore(Store):
         got = await self._call("stat", lambda c: c.get_prefix(raw, keys_only=True))
         return next((kv.mod_revision for kv in got.kvs if kv.key == raw), 0), got.header.revision
 
+    async def get_and_stat(self, key: str, other: str) -> tuple[Entry | None, int, int]:
+        raw, other_raw = key.encode(), other.encode()
+        request = rpc.TxnRequest(success=[rpc.RequestOp(request_range=rpc.RangeRequest(key=raw)),
+                                          rpc.RequestOp(request_range=rpc.RangeRequest(key=other_raw, keys_only=True))])
+
+        async def txn(c: _Client):
+            await c.connect()
+            return await c.kvstub.Txn(request, timeout=self._timeout, metadata=c.metadata)
+
+        reply = await self._call("get_and_stat", txn)
+        got, stat = (r.response_range for r in reply.responses)
+        entry = next((_entry(kv) for kv in got.kvs if kv.key == raw), None)
+        mod = next((kv.mod_revision for kv in stat.kvs if kv.key == other_raw), 0)
+        return entry, mod, reply.header.revision
+
     async def keys(self, prefix: str) -> list[str]:
         _check_prefix(prefix)
         got = await self._call("keys", lambda c: c.get_prefix(prefix.encode(), keys_only=True))

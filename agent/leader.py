@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import logging
+import os
+import threading
 import time
 from typing import Any, Callable
 
@@ -74,7 +77,7 @@ def read_cluster(keys: JobKeys, entries: dict[str, Entry], parsed: dict[str, tup
                                            entry.mod_revision, frozenset(rec.unreachable),
                                            f"{rec.host}:{rec.link_port}" if rec.link_port else "")
         elif rel.startswith("requests/"):
-            req = parse(Request, entry)
+            req = cached(Request, key, entry)  # requests stay for the job's life: parsed once each
             if req is not None and req.state == "pending":
                 requests.append((entry.create_revision, req))
     plan_entry = entries.get(keys.plan)
@@ -103,6 +106,7 @@ class Leader:
         self._swaps_reported: set[int] = set()
         self._parsed: dict[str, tuple[int, Any]] = {}
         self._mirror: Mirror | None = None
+        self._spare: asyncio.Future | None = None  # the next generation's TCPStore, being made or made
         self.is_leader = False
         # When this agent last failed to reach etcd (monotonic; its keepalive and follower set it):
         # the copy's watch may stall silently in an outage, and keys may vanish right after one.
@@ -145,12 +149,14 @@ class Leader:
                 log.info("%s leads job %s", self._cfg.node, self._cfg.job_id)
         if mine:
             self.is_leader = True
+            self._make_spare()
             self._mirror = Mirror(self._store, self._keys.root)
             try:
                 await self._mirror.start()
                 await self._lead(self._mirror)
             finally:
                 self.is_leader = False
+                self._spare = None  # a leader that comes back makes another
                 await self._mirror.close()
             return
         await self._leader_changed(seen)
@@ -216,7 +222,7 @@ class Leader:
                 log.info("%s is being drained: handing leadership over", me)
                 await self._store.delete(self._keys.leader)
                 return
-            written = await self._apply(decision, cluster, plan_entry, woke)
+            written = await self._apply(decision, cluster, plan_entry, woke, entries)
             # Decide next on a copy that holds these writes (the watch brings them a moment later).
             latest = max([(await self._store.stat(key))[0] for key in written], default=0)
             if not await mirror.caught_up(latest, CATCH_UP):
@@ -224,7 +230,7 @@ class Leader:
                             CATCH_UP)
 
     async def _apply(self, decision: Decision, cluster: Cluster, plan_entry: Entry | None,
-                     woke: float) -> list[str]:
+                     woke: float, cluster_entries: dict[str, Entry]) -> list[str]:
         """Carry ``decision`` out; returns the keys written. A new plan's event says how long the
         leader took from the change reaching its copy of the keys to the plan written
         (``decision_ms``: reading the copy, deciding, the generation's TCPStore, the write)."""
@@ -255,13 +261,11 @@ class Leader:
                                              mod_revision=plan_entry.mod_revision if plan_entry else 0):
                 return written  # someone else changed the plan: look again
             await self._event(decision, gen, decision_ms=round((time.monotonic() - woke) * 1e3, 2))
-        for answer in decision.answers:
+        for answer in decision.answers:  # from the copy the decision was made on: no read
             key = self._keys.request(answer.request_id)
-            entry = await self._store.get(key)
-            if entry is None:
-                continue
-            request = parse(Request, entry)
-            if request is None:
+            request = next((req for req in cluster.requests if req.id == answer.request_id), None)
+            entry = cluster_entries.get(key)
+            if request is None or entry is None:
                 continue
             request = dataclasses.replace(request, state=answer.state, answer=answer.text, gen=gen)
             await self._store.replace(key, request.to_dict(), mod_revision=entry.mod_revision)
@@ -308,15 +312,51 @@ class Leader:
     async def _new_tcp_store(self) -> int:
         """Host a fresh TCPStore for the new generation; keep the last few alive.
 
-        Importing torch takes seconds: it runs in a thread so that the event loop keeps the lease
-        alive meanwhile. Only the leader pays for it.
+        The store comes from a spare made beforehand (when this agent became leader, and after
+        each use), so that a decision waits neither for torch's import (seconds; see
+        :func:`warm_torch`) nor for the store's start. Without a spare, or if making it failed,
+        one is made now, in a thread so that the event loop keeps the lease alive meanwhile.
         """
-        store = await asyncio.to_thread(_tcp_store_server, self._cfg.host)
+        spare, self._spare = self._spare, None
+        store = None
+        if spare is not None:
+            try:
+                store = await spare
+            except Exception as exc:  # said here; a store made now may still work
+                log.warning("%s: the spare TCPStore could not be made (%s); making one now", self._cfg.node, exc)
+        if store is None:
+            store = await asyncio.to_thread(_tcp_store_server, self._cfg.host)
         self._tcp_stores.append(store)
+        self._make_spare()
         return store.port
+
+    def _make_spare(self) -> None:
+        """Start making the next generation's TCPStore in a thread (see _new_tcp_store)."""
+        if self._spare is None:
+            self._spare = asyncio.ensure_future(asyncio.to_thread(_tcp_store_server, self._cfg.host))
+            self._spare.add_done_callback(lambda task: task.cancelled() or task.exception())  # one dropped: no noise
 
 
 def _tcp_store_server(host: str):
     from torch.distributed import TCPStore
 
     return TCPStore(host, 0, is_master=True, wait_for_workers=False)
+
+
+def warm_torch() -> threading.Thread:
+    """Import torch.distributed in a background thread of low priority, so that an agent that
+    becomes leader later (leadership moves when a leader's node fails or is cut off) hosts its
+    first TCPStore at once: the import takes seconds (12 s once, on a busy 2-core machine, in the
+    middle of a link event's decision). Costs every agent about 200 MB of memory."""
+
+    def run() -> None:
+        with contextlib.suppress(OSError):  # nice this thread only (Linux: a thread is a task)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        try:
+            import torch.distributed  # noqa: F401
+        except Exception as exc:  # the leader says it again, with the store it could not make
+            log.warning("importing torch.distributed in the background failed: %s", exc)
+
+    thread = threading.Thread(target=run, name="tmrun-warm-torch", daemon=True)
+    thread.start()
+    return thread

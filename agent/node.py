@@ -55,7 +55,7 @@ from agent.config import AgentConfig
 from agent.etcd_member import MemberHost
 from agent.errors import ConfigError, ControlPlaneLost, LeaseNotFound, StoreError
 from agent.keys import JobKeys
-from agent.leader import Leader
+from agent.leader import Leader, warm_torch
 from agent.links import LinkChecker, LinkListener
 from agent.metrics import MetricsServer, Snapshot
 from agent.output import OutputRouter
@@ -153,6 +153,7 @@ class NodeAgent:
             log.info("%s joined job %s (host %s, %d slots)", self.cfg.node, self.cfg.job_id, self.cfg.host,
                      self.cfg.worker.nproc_per_node)
             self._leader = Leader(self.cfg, self._store, self._lease, self._changes)
+            warm_torch()  # any agent may lead: its first generation's store must not wait for the import
             background = [asyncio.ensure_future(self._keepalive()), asyncio.ensure_future(self._leader.run()),
                           asyncio.ensure_future(self._watchdog()), asyncio.ensure_future(self._stall_watch()),
                           asyncio.ensure_future(self._check_links()),
@@ -334,9 +335,14 @@ class NodeAgent:
         if self._group_wait is not None and self._group_wait.done():
             await self._on_group_done(self._group_wait.result())
         full = self._full_look_due()
-        outcome = None
-        if full or self._changes.latest(self._keys.outcome) is not None:
-            outcome = parse(Outcome, await self._store.get(self._keys.outcome))
+        outcome, plan_mod = None, None
+        if full:  # one round trip: outcome, and whether the plan changed unseen
+            entry, plan_mod, _ = await self._store.get_and_stat(self._keys.outcome, self._keys.plan)
+            outcome = parse(Outcome, entry)
+        else:
+            seen = self._changes.latest(self._keys.outcome)
+            if seen is not None and seen.value is not None:  # the watch's value: no read
+                outcome = parse(Outcome, Entry(seen.key, seen.value, seen.create_revision, seen.revision))
         if outcome is not None:  # first: once the job has ended, nothing this node could report matters
             log.info("%s: the job has ended (%s: %s); leaving", self.cfg.node, outcome.state, outcome.reason)
             await self._stop_workers("the job ended")
@@ -348,7 +354,7 @@ class NodeAgent:
             self._dirty.clear()
             await self._report(self._run)
             self._resync = False
-        plan = await self._read_plan(full)
+        plan = await self._read_plan(plan_mod)
         if full:
             self._looked_at, self._looked_reconnects = time.monotonic(), self._changes.reconnects
         if plan is not None and await self._reconcile(plan):
@@ -362,17 +368,17 @@ class NodeAgent:
         return (self._resync or not changes.connected or changes.reconnects != self._looked_reconnects
                 or time.monotonic() - self._looked_at >= LOOK_AGAIN)
 
-    async def _read_plan(self, full: bool) -> Plan | None:
-        """The plan, as the watch delivered it; on a full look, a ``stat`` (no value) says whether
-        it changed unseen, and only then is it read. A plan names every node: at 1,000 nodes it is
-        tens of KiB, which a read per look would send to every agent."""
+    async def _read_plan(self, mod: int | None) -> Plan | None:
+        """The plan, as the watch delivered it (parsed once per change); on a full look, ``mod``
+        (the plan's mod revision, read with ``outcome``) says whether it changed unseen, and only
+        then is it read. A plan names every node: at 1,000 nodes it is tens of KiB, which a read
+        per look would send to every agent."""
         seen = self._changes.latest(self._keys.plan)
         if seen is not None and seen.revision > self._plan_rev:
             entry: Entry | None = None
             if seen.value is not None:
                 entry = Entry(seen.key, seen.value, seen.create_revision, seen.revision)
-        elif full:
-            mod, _ = await self._store.stat(self._keys.plan)
+        elif mod is not None:
             if mod == self._plan_rev:
                 return self._plan
             entry = await self._store.get(self._keys.plan)

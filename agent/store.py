@@ -78,6 +78,14 @@ class Store(abc.ABC):
         start a watch from now?
         """
 
+    async def get_and_stat(self, key: str, other: str) -> tuple[Entry | None, int, int]:
+        """``get(key)`` and ``stat(other)`` at once: the entry, ``other``'s mod_revision (0 when
+        absent) and the store's revision. One round trip where the store can (etcd: one txn); an
+        agent's look every few seconds reads ``outcome`` and asks whether ``plan`` changed."""
+        entry = await self.get(key)
+        mod, revision = await self.stat(other)
+        return entry, mod, revision
+
     @abc.abstractmethod
     async def keys(self, prefix: str) -> list[str]:
         """The keys under ``prefix``, in order, without their values."""

@@ -18,8 +18,8 @@ One tmrun job (a small GPT, ``--params`` 1M, 2 nodes, standbys) trains throughou
   put -> watch event, how long a change takes to reach a watcher).
 
 The sequential etcd round trips on the drain path (read from agent/leader.py, agent/node.py and
-tmrun/admin.py) are listed with the results; times 5 round trips plus 2 watch deliveries is the
-etcd floor of request -> phase 1, and what the measurement adds to it is Python, asyncio and the
+tmrun/admin.py) are listed with the results; two writes, each until a watcher has its event (the
+request, then the plan), are the etcd floor of request -> phase 1, and what the measurement adds to it is Python, asyncio and the
 CPU the training workers leave over (2 of them keep this machine's 2 cores busy).
 
 Output: tables, ``bench/results/control_plane.json``, ``docs/bench/control_plane.png`` (the
@@ -63,18 +63,20 @@ DRAIN_PATH = [
     ("tmrun drain", "get_prefix(job) for the watch revision", "tmrun/admin.py drain", "before"),
     ("tmrun drain", "watch create", "agent/changes.py Changes.start", "before"),
     ("tmrun drain", "put(requests/ID)  [Request.created is stamped just before]", "tmrun/admin.py drain", "yes"),
-    ("etcd", "push: watch event -> leader", "agent/changes.py Changes._run", "yes (push)"),
-    ("leader", "get_prefix(job): every key, parsed", "agent/leader.py Leader._lead", "yes"),
-    ("leader", "(no etcd) decide(); new TCPStore in a thread [Plan.created stamped after]",
-     "agent/leader.py _apply/_new_tcp_store", "yes (not etcd)"),
+    ("etcd", "push: watch event -> the leader's copy of the keys", "agent/mirror.py Mirror._run", "yes (push)"),
+    ("leader", "(no etcd) read_cluster on its copy (only changed records parsed), decide(); the TCPStore "
+     "from a spare made beforehand [Plan.created stamped after]", "agent/leader.py _lead/_apply/_new_tcp_store",
+     "yes (not etcd)"),
     ("leader", "txn replace(plan) compare mod_revision", "agent/leader.py _apply", "yes"),
-    ("etcd", "push: watch event -> every agent", "agent/changes.py Changes._run", "yes (push)"),
-    ("member agent", "get(outcome)", "agent/node.py NodeAgent._follow", "yes"),
-    ("member agent", "get(plan)  [then _reconcile -> _prepare stamps prepared_at, sends prepare]",
-     "agent/node.py NodeAgent._follow", "yes"),
+    ("etcd", "push: watch event (with the plan's value) -> every agent", "agent/changes.py Changes._run",
+     "yes (push)"),
+    ("member agent", "(no etcd) the plan from the watch event, parsed once; _reconcile -> _prepare stamps "
+     "prepared_at, sends prepare", "agent/node.py NodeAgent._sync/_read_plan", "yes (not etcd)"),
     ("leader", "put(events/SEQ)", "agent/leader.py _event", "no (after the plan)"),
-    ("leader", "get(requests/ID)", "agent/leader.py _apply", "no (after the plan)"),
-    ("leader", "txn replace(requests/ID) = accepted", "agent/leader.py _apply", "no (after the plan)"),
+    ("leader", "txn replace(requests/ID) = accepted (the request from its copy: no read)", "agent/leader.py _apply",
+     "no (after the plan)"),
+    ("leader", "stat(plan), stat(requests/ID): waits until its copy shows its writes", "agent/leader.py _lead",
+     "no (after the plan)"),
     ("member agent", "put(nodes/NODE) run state after prepare", "agent/node.py _report (via _dirty)", "no"),
 ]
 
@@ -561,12 +563,10 @@ def report(name: str, args, rtt: dict, drains: list[dict], kills: list[dict], cp
                        sched_cols, sched_rows)
     phase1 = [d["swap"]["phase1_started_s"] for d in drains if d["swap"]["phase1_started_s"] is not None]
     written = [d["swap"]["plan_written_s"] for d in drains]
-    get = next(v["median_ms"] for k, v in rtt.items() if k == "EtcdStore get")
-    get_prefix = next(v["median_ms"] for k, v in rtt.items() if k.startswith("EtcdStore get_prefix"))
     txn = rtt["EtcdStore replace (txn)"]["median_ms"]
     push = rtt["put -> watch event"]["median_ms"]
-    # request put + push (= put -> watch event), leader get_prefix, plan txn + push (~ put -> watch event), 2 gets
-    floor_ms = round(push + get_prefix + push + 2 * get, 1)
+    # request put + push (= put -> watch event), plan txn + push (~ put -> watch event); nothing is read between
+    floor_ms = round(push + (push - rtt["EtcdStore put"]["median_ms"] + txn), 1)
     median_phase1 = statistics.median(phase1) if phase1 else None
     worst = max(phase1) if phase1 else None
     met = worst is not None and worst <= TARGET_PHASE1_S
@@ -584,11 +584,11 @@ def report(name: str, args, rtt: dict, drains: list[dict], kills: list[dict], cp
     breakdown = ""
     if phase1:
         breakdown = (f"Where the time goes: request → phase 1 started on all took {ms(median_phase1)} ms (median; "
-                     f"worst {ms(worst)} ms) against an etcd floor of {floor_ms} ms (5 round trips + 2 watch pushes "
-                     f"at this machine's medians); the leader wrote the plan after {ms(statistics.median(written))} ms "
+                     f"worst {ms(worst)} ms) against an etcd floor of {floor_ms} ms (the request's put and the plan's "
+                     f"txn, each until its watch event, at this machine's medians); the leader wrote the plan after {ms(statistics.median(written))} ms "
                      f"(median), and the members' own phase-1 starts were, median: " +
                      ", ".join(f"{kind} {ms(statistics.median(v))} ms" for kind, v in member_by_kind.items()) +
-                     f".{leader_note} The rest is Python and asyncio in the agents (parsing every key, dataclasses, gRPC calls) "
+                     f".{leader_note} The rest is Python and asyncio in the agents (the watch's events, the decision, gRPC) "
                      f"on cores the training workers keep busy: during a drain command the agents were runnable "
                      f"but waiting for a CPU for {statistics.median(waits):.0f} ms in total (median).")
     reason = breakdown if not met else ""
@@ -612,8 +612,8 @@ def report(name: str, args, rtt: dict, drains: list[dict], kills: list[dict], cp
     common.print_table("Targets", ["target", "measured", "met"],
                        [[t["target"], t["measured"], "yes" if t["met"] else f"NO: {t['reason']}"] for t in targets])
     print(f"[{NAME}] {breakdown}", flush=True)
-    print(f"[{NAME}] etcd floor of request → phase 1: {floor_ms} ms (put→watch event {push} + get_prefix "
-          f"{get_prefix} + txn→watch event ~{push} (txn alone {txn}) + 2 × get {get})", flush=True)
+    print(f"[{NAME}] etcd floor of request → phase 1: {floor_ms} ms (put→watch event {push} + txn→watch event "
+          f"~{round(push - rtt['EtcdStore put']['median_ms'] + txn, 1)} (txn alone {txn}))", flush=True)
 
     foreign = cpu.get("outside", 0.0)
     warning = ""
@@ -648,8 +648,8 @@ def report(name: str, args, rtt: dict, drains: list[dict], kills: list[dict], cp
         f"A running tmrun job ({args.params} GPT, 2 nodes x 1 worker, {args.threads} thread(s) each, standbys warm): "
         f"`tmrun drain --rejoin` of a non-leader active node, and `kill -9` of a worker. Times from the swap "
         f"events (request created, or the failed worker's report, as time zero) and the kill's wall time. The "
-        f"etcd floor of request → phase 1 is {floor_ms} ms: 5 sequential round trips and 2 watch pushes "
-        f"(listed below) at the medians measured here.\n\n{breakdown}" + (f"\n\n{warning}" if warning else ""),
+        f"etcd floor of request → phase 1 is {floor_ms} ms: the request's put and the plan's txn, each until "
+        f"its watch event (listed below), at the medians measured here.\n\n{breakdown}" + (f"\n\n{warning}" if warning else ""),
         [("Drains (ms after the request was created, unless said):", drain_cols, drain_rows)] +
         ([("Kills (ms after kill -9):", kill_cols, kill_rows)] if kills else []) +
         ([(f"Steady state before the drains: {steady['seconds']} s of training ({steady['steps_per_s']} steps/s, "
