@@ -118,14 +118,14 @@ def main(argv: list[str] | None = None) -> int:
                 x, y = batch(data, step, share.index, share.count, args.batch_size, cfg.block_size,
                              seed=args.seed, device=device)
                 part = F.cross_entropy(ddp(x).view(-1, VOCAB), y.view(-1)) * share.weight
-                part.backward()
+                run.backward(part)  # loss.backward(), stopped at once if the step can no longer commit
                 loss += part.detach()  # averaged over the ranks below: the step's mean loss
         else:
             x, y = batch(data, step, run.rank, run.world_size, args.batch_size, cfg.block_size,
                          seed=args.seed, device=device)
             logits = ddp(x)
             loss = F.cross_entropy(logits.view(-1, VOCAB), y.view(-1))
-            loss.backward()
+            run.backward(loss)
         log_now = (step + 1) % args.log_every == 0 or step + 1 == args.steps
         mean_loss = None
         if log_now:  # a collective of the step itself: it precedes the vote like the gradient all-reduce

@@ -8,6 +8,10 @@ A second thread says ``alive`` every :data:`tmrun.protocol.ALIVE_EVERY` seconds 
 process runs, so that the agent can tell a worker that waits (in a collective, for a plan) from
 one that is stopped or frozen: only the second goes silent.
 
+A message can also be seen the moment it arrives: ``on_arrival``, when set, is called with it in
+the reader thread before it is queued (the runtime starts a ``prepare``'s group there rather than
+at the next step boundary, see :mod:`tmrun.early_build`); it must be quick and must not raise.
+
 A line from the agent that is not a valid message, or is longer than
 :data:`tmrun.protocol.MAX_LINE`, is skipped with one warning (logger ``tmrun.worker``, which
 reaches stderr when the script configures no logging); the connection stays open.
@@ -20,7 +24,7 @@ import os
 import queue
 import socket
 import threading
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Callable
 
 from tmrun.protocol import ALIVE_EVERY, MAX_LINE, ProtocolError, decode, encode
 
@@ -35,6 +39,7 @@ class AgentChannel:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._inbox: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.on_arrival: Callable[[dict[str, Any]], None] | None = None  # see the module's docstring
         self._reader = threading.Thread(target=self._read, name="tmrun-agent-channel", daemon=True)
         self._reader.start()
         self._alive_every = alive_every
@@ -50,12 +55,24 @@ class AgentChannel:
         try:
             while line := self._read_line(stream):
                 try:
-                    self._inbox.put(decode(line))
+                    message = decode(line)
                 except ProtocolError as exc:
                     log.warning("worker pid %d: ignoring a message from the agent: %s", os.getpid(), exc)
+                    continue
+                self._arrived(message)
+                self._inbox.put(message)
         except OSError:
             pass
         self._inbox.put(None)  # the agent is gone
+
+    def _arrived(self, message: dict[str, Any]) -> None:
+        hook = self.on_arrival
+        if hook is None:
+            return
+        try:
+            hook(message)
+        except Exception as exc:  # a bug on this side: the message is still queued and handled as usual
+            log.error("worker pid %d: handling %s on arrival failed: %s", os.getpid(), message.get("type"), exc)
 
     def _read_line(self, stream: BinaryIO) -> bytes | None:
         """The next line within the limit (an overlong one is skipped, warned about); None at the end."""

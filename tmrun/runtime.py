@@ -9,13 +9,16 @@ answered inside the process, see :class:`tmrun.groups.SandboxGroup`)::
     ddp = run.data_parallel(model)
     for step in run.steps(total=1000):
         loss = ddp(x(step, run.rank)).mean()
-        loss.backward()
+        run.backward(loss)        # loss.backward(), stopped at once if the step is doomed
         if run.commit():          # False: this step failed somewhere and is yielded again
             opt.step()
         opt.zero_grad()
 
 Errors inside a step (a collective that fails because a peer died) are latched, never thrown
 into the user's code; ``commit()`` is where the ranks vote whether the step counts. A step that
+cannot count any more (a collective of it failed, or the agent announced a failure's
+generation) stops its backward at once (:mod:`tmrun.abandon`), and the next generation's group
+is built from the moment its ``prepare`` arrives (:mod:`tmrun.early_build`). A step that
 does not count is retried with the same index, the same data and the same RNG state; after
 ``max_retries`` failed tries :class:`StepFailed` says so with the count, and the launcher's
 restart semantics take over. The hot swap (promotion, state transfer, group switch) builds on
@@ -37,7 +40,9 @@ import torch
 import torch.distributed as dist
 
 from tmrun import torchrun_round
+from tmrun.abandon import StepGuard
 from tmrun.channel import AgentChannel
+from tmrun.early_build import EarlyBuilds
 from tmrun.groups import Group, RealGroup, SandboxGroup
 from tmrun.native import NativeGroups, NativeResize
 from tmrun.phases import Phase, Phases
@@ -118,6 +123,12 @@ class Run:
         self._native: NativeGroups | None = None  # run.process_group and run.device_mesh, once asked for
         # --redundancy: snapshots every ``redundancy`` steps, a neighbour's shards kept (tmrun/redundancy.py)
         self._redundancy = Redundancy(redundancy, group_timeout) if redundancy > 0 else None
+        # a failure's generation announced (reader thread): the steps of older generations are doomed
+        self._doomed_gen = 0
+        self._guard = StepGuard(self._doomed)
+        self._early = EarlyBuilds(self._start_build)
+        if channel is not None:
+            channel.on_arrival = self._on_arrival
 
     # ------------------------------------------------------------------ identity
     @property
@@ -208,7 +219,8 @@ class Run:
         The same vote carries "I am ready for the next generation": when every rank is, all of
         them switch after this step (phase 2 of a planned swap), without any extra round trip.
         """
-        if self._group_failed:  # see latch(): no vote on a group that failed in this step
+        if self._doomed():  # see latch(): no vote on a group that failed in this step
+            self._latch_doomed()
             self._switch = False
             self._voted = False
             return False
@@ -228,6 +240,22 @@ class Run:
             agreed = False
         self._voted = agreed
         return agreed
+
+    def _doomed(self) -> bool:
+        """Whether this step can no longer commit: a collective of it failed, or a failure's
+        generation was announced (any thread may ask)."""
+        return self._group_failed or self._doomed_gen > self.identity.generation
+
+    def _latch_doomed(self) -> None:
+        self.latch(RuntimeError(f"step {self.step} abandoned: generation {self._doomed_gen} replaces generation "
+                                f"{self.generation} after a failure"), group_failed=True)
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward(**kwargs)``, stopped at once when the step cannot commit any more (a
+        collective of it failed, or the agent announced a failure's generation): no exception
+        reaches the script, and ``commit()`` returns False (see :mod:`tmrun.abandon`)."""
+        if not self._guard.backward(loss, **kwargs):
+            self._latch_doomed()
 
     def _ready_to_switch(self) -> bool:
         """A leaver once its handover pair is built (or failed); otherwise the next group is built."""
@@ -402,6 +430,21 @@ class Run:
         if self.phase is Phase.PREPARING and pending is not None and pending.failed:
             self._drop_next(pending, f"building the group of generation {pending.spec.gen} failed")
 
+    def _on_arrival(self, message: dict[str, Any]) -> None:
+        """The channel's reader thread, as a message arrives: a ``prepare`` for a worker in a
+        generation starts its group's build now, and a failure's (mode ``now``) dooms the step."""
+        if message["type"] != "prepare" or self.phase not in (Phase.ACTIVE, Phase.PREPARING):
+            return
+        spec = GroupSpec.from_message(message)
+        if spec.gen <= self.identity.generation:
+            return
+        if spec.mode == "now":
+            self._doomed_gen = max(self._doomed_gen, spec.gen)
+        self._early.arrived(spec)
+
+    def _start_build(self, spec: GroupSpec) -> NextGroup:
+        return NextGroup(spec, self.group_timeout, lambda s: self.channel.send("ready", gen=s.gen), self._build_failed)
+
     def _on_message(self, message: dict[str, Any]) -> None:
         if message["type"] == "leave":
             self._on_leave(Leave.from_message(message, self.rank))
@@ -412,16 +455,19 @@ class Run:
         """Start building the group of ``spec`` (phase 1); one older than what is pending is ignored."""
         pending = self._next
         if spec.gen <= (pending.spec.gen if pending is not None else self.generation):
+            self._early.refuse(spec)
             return
         if self.phase is Phase.ACTIVE:
             self._phase.move(Phase.PREPARING, f"prepare of generation {spec.gen}")
         elif self.phase not in (Phase.PREPARING, Phase.JOINING, Phase.RECOVERING):
             self._phase.move(Phase.PREPARING, f"prepare of generation {spec.gen}")  # refused: logged
+            self._early.refuse(spec)
+            if self._doomed_gen == spec.gen:
+                self._doomed_gen = 0  # not this worker's generation to join: its steps go on
             return
         if pending is not None:
             pending.drop()  # superseded: it may wait forever for a rank that is gone
-        self._next = NextGroup(spec, self.group_timeout, lambda s: self.channel.send("ready", gen=s.gen),
-                               self._build_failed)
+        self._next = self._early.claim(spec) or self._start_build(spec)
 
     def _on_leave(self, leave: Leave) -> None:
         """Leave at the agreed switch (ACTIVE, PREPARING); kept for later while JOINING or RECOVERING."""
@@ -582,7 +628,7 @@ class Run:
         self._next = None
         old.close()
         self._phase.move(Phase.ACTIVE, f"switched to generation {spec.gen} at step {self.step}")
-        self._record_switch(spec.gen, started, built, result, probed=pending.probed)
+        self._record_switch(spec.gen, started, built, result, pending)
         leave = self._leave
         if leave is not None and leave.gen > spec.gen:  # received while joining or recovering
             self._phase.move(Phase.LEAVING, f"leave at generation {leave.gen}, received before the switch")
@@ -594,7 +640,7 @@ class Run:
                 self._pair = None
 
     def _record_switch(self, gen: int, started: float, built: float, result: Exchange,
-                       probed: dict[int, float] | None = None) -> None:
+                       pending: NextGroup | None = None) -> None:
         now = time.monotonic()
         handover, self._handover_bytes = self._handover_bytes, 0
         handover_s, self._handover_seconds = self._handover_seconds, 0.0
@@ -608,7 +654,10 @@ class Run:
                   "rolled_back": result.rolled_back,
                   # what each source sent this receiver: [bytes, seconds] (its agent keeps the rates)
                   "links": {str(src): [size, round(seconds, 6)] for src, (size, seconds) in result.links.items()},
-                  "probed": {str(src): round(rate, 1) for src, rate in (probed or {}).items()}}  # phase 1's probe, bytes/s
+                  "probed": {str(src): round(rate, 1) for src, rate in (pending.probed if pending else {}).items()}}
+        if pending is not None and pending.group is not None:  # its own build, from the prepare's arrival
+            record["group_build"] = round(pending.seconds, 4)
+            record.update({f"{part}_connect": round(seconds, 4) for part, seconds in pending.group.connect_s.items()})
         self.swaps.append(record)
         self._last_progress = 0.0  # the first committed step in the new generation is reported at once
         if self.channel is not None:
@@ -652,8 +701,12 @@ class Run:
 
     def shares(self, count: int, ddp: torch.nn.Module | None = None) -> Iterator[Share]:
         """This rank's shares of the step's global batch of ``count`` (see :mod:`tmrun.shares`): the
-        samples of a step do not depend on how many ranks there are."""
-        return iterate(self.rank, self.world_size, count, ddp)
+        samples of a step do not depend on how many ranks there are. None more once the step is
+        doomed (see :meth:`backward`)."""
+        for share in iterate(self.rank, self.world_size, count, ddp):
+            if self._doomed():
+                return
+            yield share
 
     @property
     def process_group(self) -> dist.ProcessGroup:
@@ -678,12 +731,16 @@ class Run:
         return self._native
 
     def data_parallel(self, module: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.Module:
-        """DDP whose gradient traffic goes over this run's (swappable) group."""
+        """DDP whose gradient traffic goes over this run's (swappable) group; ``run.backward``
+        stops its backward at once when the step is doomed."""
         from tmrun.ddp import data_parallel
 
-        return data_parallel(self, module, **ddp_kwargs)
+        ddp = data_parallel(self, module, **ddp_kwargs)
+        self._guard.watch(ddp)
+        return ddp
 
     def finish(self) -> None:
+        self._early.close()
         self.group.close()
         if self._native is not None:
             self._native.close()

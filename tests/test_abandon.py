@@ -1,0 +1,125 @@
+"""A doomed step stops its backward at once, the script sees no exception, and the redone step
+gives the weights of a run that was never interrupted (real gloo groups, real SIGKILL, the real
+worker channel with a fake agent at its other end; tests/scripts/abandon_job.py is the worker).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from agent.etcd_server import free_port
+from tests.harness import ROOT, Output, assert_same_weights
+from tmrun.protocol import decode, encode
+
+pytestmark = pytest.mark.timeout(180)
+
+SCRIPT = ROOT / "tests" / "scripts" / "abandon_job.py"
+
+
+def worker(rank: int, world: int, port: int, out: Path, *args: str, agent: str = "") -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TMRUN_ROLE": "active", "TMRUN_GENERATION": "1",
+           "TMRUN_COLLECTIVE_TIMEOUT": "60"}
+    if agent:
+        env["TMRUN_AGENT_SOCKET"] = agent
+    return subprocess.Popen([sys.executable, str(SCRIPT), "--out", str(out), *args], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+
+
+def tries(output: Output) -> list[dict]:
+    return [json.loads(line) for line in output.lines if line.startswith("{")]
+
+
+def finish(proc: subprocess.Popen, output: Output, timeout: float = 120) -> str:
+    code = proc.wait(timeout)
+    output.join(10)
+    err = proc.stderr.read()
+    assert code == 0, f"exit {code}:\n{output.text()[-2000:]}\n{err[-4000:]}"
+    return err
+
+
+class FakeAgent:
+    """The agent's end of one worker's socket: collects what the worker says, sends what the test says."""
+
+    def __init__(self, path: Path) -> None:
+        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._server.bind(str(path))
+        self._server.listen(1)
+        self.messages: list[dict] = []
+        self._conn: socket.socket | None = None
+        self._connected = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        self._conn, _ = self._server.accept()
+        self._connected.set()
+        for line in self._conn.makefile("rb"):
+            self.messages.append(decode(line))
+
+    def send(self, kind: str, **fields) -> None:
+        assert self._connected.wait(60), "the worker never connected"
+        self._conn.sendall(encode(kind, **fields))
+
+    def close(self) -> None:
+        self._thread.join(30)
+        self._server.close()
+
+
+@pytest.mark.timeout(240)
+def test_a_peer_killed_mid_backward_stops_the_survivors_backward(tmp_path):
+    """Rank 1 dies after 4 of its 24 layers' gradients: rank 0's backward stops within a few
+    layers (its gradient bucket's all-reduce fails), without an exception in the script, and the
+    step does not commit; a backward that is not doomed computes all 24."""
+    port = free_port()
+    procs = [worker(rank, 2, port, tmp_path / "w.pt", "--width", "1024", "--batch", "256", "--stop-after-failure",
+                    *(("--die-at", "1:4") if rank == 1 else ())) for rank in (0, 1)]
+    survivor = Output(procs[0].stdout)
+    assert procs[1].wait(120) == -9
+    finish(procs[0], survivor)
+    first, doomed = tries(survivor)
+    assert first["committed"] and first["layers"] == 24 and first["abandoned"] == 0
+    assert doomed["step"] == 1 and not doomed["committed"] and doomed["abandoned"] == 1
+    assert doomed["layers"] <= 4 + 6, doomed  # rank 1 died at its 4th layer; detection takes a layer or two
+    assert "abandoned" not in doomed["error"], doomed  # the cause latched is the collective's error, kept
+
+
+@pytest.mark.timeout(300)
+def test_a_failures_prepare_stops_the_backward_and_the_redone_step_is_bit_identical(tmp_path):
+    """A prepare of generation 2 (mode ``now``) arrives while step 2's backward is at layer 5: the
+    next layer's hook stops it, the group of generation 2 was built from the arrival, and the job
+    goes on there with the weights of a run that never saw the prepare."""
+    reference = worker(0, 1, free_port(), tmp_path / "ref.pt", "--steps", "5")
+    ref_out = Output(reference.stdout)
+    finish(reference, ref_out)
+
+    sock = tmp_path / "agent.sock"
+    agent = FakeAgent(sock)
+    port = free_port()
+    proc = worker(0, 1, port, tmp_path / "w.pt", "--steps", "5", "--wait-at", "2:5", agent=str(sock))
+    out = Output(proc.stdout)
+    out.wait_for("IN_BACKWARD", 120)
+    agent.send("prepare", gen=2, rank=0, world_size=1, store_host="127.0.0.1", store_port=port, mode="now",
+               handover=False)
+    err = finish(proc, out)
+    agent.close()
+    assert "Traceback" not in err, err
+    by_try = tries(out)
+    doomed = [t for t in by_try if not t["committed"]]
+    assert len(doomed) == 1 and doomed[0]["step"] == 2 and doomed[0]["layers"] == 5 and doomed[0]["gen"] == 1
+    assert [t["step"] for t in by_try if t["committed"]] == [0, 1, 2, 3, 4]
+    assert [t["gen"] for t in by_try if t["committed"]] == [1, 1, 2, 2, 2]
+    kinds = [m["type"] for m in agent.messages]
+    assert "broken" in kinds and "ready" in kinds, kinds
+    switched = [m for m in agent.messages if m["type"] == "switched"]
+    assert len(switched) == 1 and switched[0]["gen"] == 2 and switched[0]["step"] == 2
+    assert 0 < switched[0]["group_build"] and switched[0]["gloo_connect"] >= 0 and switched[0]["store_connect"] > 0
+    assert_same_weights(tmp_path / "w.pt", tmp_path / "ref.pt")

@@ -1,0 +1,84 @@
+"""Abandoning a doomed step: the backward of a step that can no longer commit stops at once.
+
+A step is doomed when a collective of it failed (a peer is gone, see ``Run.latch``) or when the
+agent announced a failure's generation (``prepare`` with mode ``now``): in both cases the step
+cannot commit in the current group, and every second spent on its backward delays the next
+group. ``run.backward(loss)`` runs ``loss.backward()`` with a gradient hook on each parameter of
+the modules given to ``run.data_parallel`` armed; once the step is doomed the next hook raises
+:class:`Abandoned` inside autograd, which stops the engine (no more gradients, no more buckets).
+``run.backward`` catches it, resets DDP's reducer (its buckets are half filled) and returns: the
+script's code sees no exception, and ``run.commit()`` returns False as for any failed step::
+
+    loss = ddp(x).mean()
+    run.backward(loss)            # instead of loss.backward()
+    if run.commit():
+        opt.step()
+    opt.zero_grad()
+
+The hooks raise only while ``run.backward`` runs: a script that calls ``loss.backward()`` itself
+gets today's behaviour (the doomed step's backward runs to its end, its buckets are not sent).
+Modules of torch's own parallelism (``DistributedDataParallel`` on ``run.process_group``,
+``fully_shard``) are not hooked: their state between hooks is theirs, so a doomed step of theirs
+is skipped only if it is doomed before its backward starts.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+
+log = logging.getLogger("tmrun.abandon")
+
+
+class Abandoned(BaseException):
+    """Raised by a gradient hook to stop the backward of a doomed step; caught by ``StepGuard``.
+
+    A BaseException, so that no ``except Exception`` in between (autograd's or a script's hook)
+    takes it for an error of the computation.
+    """
+
+
+class StepGuard:
+    """The hooks that stop a doomed step's backward, and what to reset after they did."""
+
+    def __init__(self, doomed: Callable[[], bool]) -> None:
+        self._doomed = doomed
+        self._armed = False
+        self._modules: list[torch.nn.Module] = []  # DDP modules whose reducer a stopped backward leaves mid-step
+        self._hooked: set[int] = set()  # ids of the parameters that carry the hook
+        self.abandoned = 0  # backwards stopped (or skipped) because their step was doomed
+
+    def watch(self, module: torch.nn.Module) -> None:
+        """Hook ``module``'s parameters (once each); reset its reducer after an abandoned backward."""
+        for param in module.parameters():
+            if param.requires_grad and id(param) not in self._hooked:
+                param.register_hook(self._check)
+                self._hooked.add(id(param))
+        if hasattr(module, "reducer"):
+            self._modules.append(module)
+
+    def _check(self, grad: torch.Tensor) -> None:
+        if self._armed and self._doomed():
+            raise Abandoned()
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> bool:
+        """``loss.backward(**kwargs)``; False when the step was doomed and its backward stopped or skipped."""
+        if self._doomed():
+            self._abandon()
+            return False
+        self._armed = True
+        try:
+            loss.backward(**kwargs)
+        except Abandoned:
+            self._abandon()
+            return False
+        finally:
+            self._armed = False
+        return True
+
+    def _abandon(self) -> None:
+        self.abandoned += 1
+        for module in self._modules:
+            module.reducer._reset_state()  # its buckets are half filled; the retried step starts afresh
