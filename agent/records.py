@@ -176,7 +176,8 @@ class RunState(Record):
 # ``last_swap`` fields that are numbers (or None) wherever they are present.
 SWAP_NUMBERS = frozenset({"gen", "step", "stall", "build", "transfer", "bytes_received", "from_leaver", "handover_s",
                           "phase1_steps", "phase1_step_time", "normal_step_time", "prepared_at", "ready_at",
-                          "switched_at", "first_step_at", "predicted_s"})
+                          "switched_at", "first_step_at", "predicted_s", "group_build",
+                          "store_connect", "gloo_connect"})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -63,6 +63,12 @@ def summarize(plan: Plan, runs: Mapping[str, RunState]) -> dict[str, Any] | None
         "handover_s": max(float(s.get("handover_s", 0.0)) for s in swaps),
         "handover_errors": [str(s["handover_error"]) for s in swaps if s.get("handover_error")],
         "transfer_s": max(float(s.get("transfer", 0.0)) for s in swaps),
+        # the slowest member's own group build (store client, then gloo's pairs), from its prepare's arrival
+        "group_build_s": max((float(s["group_build"]) for s in swaps if s.get("group_build") is not None), default=None),
+        "store_connect_s": max((float(s["store_connect"]) for s in swaps if s.get("store_connect") is not None),
+                               default=None),
+        "gloo_connect_s": max((float(s["gloo_connect"]) for s in swaps if s.get("gloo_connect") is not None),
+                              default=None),
         "phase1_steps": max((int(s.get("phase1_steps", 0)) for s in swaps), default=0),
         "phase1_step_time": max((s["phase1_step_time"] for s in survivors), default=None),
         "normal_step_time": max((s["normal_step_time"] for s in survivors if s.get("normal_step_time")),

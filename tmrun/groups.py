@@ -102,6 +102,7 @@ class RealGroup(Group):
         self._pg = dist.ProcessGroupGloo(store, rank, size, max(timeout, self.CONNECT_TIMEOUT))
         self._pg.set_timeout(timeout)
         self._native: "dist.ProcessGroup | None" = None
+        self.connect_s: dict[str, float] = {}  # where its build went, seconds (set by tmrun.swap's builder)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.futures.Future:
         _check_op(op)

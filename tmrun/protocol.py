@@ -16,9 +16,11 @@ Worker → agent:
 - ``ready``     {gen}: this worker has built the communicator of generation ``gen``.
 - ``switched``  {gen, step, stall, build, transfer, bytes_received, from_leaver, handover_s,
   handover_error, build_error, sources, phase1_steps, phase1_step_time, normal_step_time,
-  predicted_s, links, probed, rolled_back}: this worker trains in ``gen`` from ``step`` on
-  (``rolled_back``: a redundant copy was used and every rank went back to its step); ``sources`` is how
-  many ranks held the state. On a receiver, ``links`` is ``{source rank: [bytes, seconds]}`` of
+  predicted_s, links, probed, rolled_back, group_build, store_connect, gloo_connect}: this worker
+  trains in ``gen`` from ``step`` on (``rolled_back``: a redundant copy was used and every rank went
+  back to its step); ``sources`` is how many ranks held the state. ``group_build`` is the seconds
+  the group's build took in its thread (from the ``prepare``'s arrival), ``store_connect`` and
+  ``gloo_connect`` its parts (gloo's includes waiting for the last member). On a receiver, ``links`` is ``{source rank: [bytes, seconds]}`` of
   the pull, ``probed`` ``{source rank: bytes/s}`` of phase 1's probe, ``predicted_s`` the pull's
   planned finish (null when a rate it used was not measured): these grow with the sources. A leaver sends {gen, step, left, rejoin,
   bytes_sent, transfer, handover_error} instead, just before it exits (or, with ``rejoin``,
@@ -135,7 +137,8 @@ FIELDS: dict[str, tuple[dict[str, Check], dict[str, Check]]] = {
                   "from_leaver": _int, "handover_s": _number, "sources": _int, "phase1_steps": _int,
                   "phase1_step_time": _number_or_none, "normal_step_time": _number_or_none, "left": _bool,
                   "rejoin": _bool, "rolled_back": _bool, "bytes_sent": _int, "handover_error": _str_or_none,
-                  "build_error": _str_or_none, "predicted_s": _number_or_none, "probed": _rates_by_rank}),
+                  "build_error": _str_or_none, "predicted_s": _number_or_none, "probed": _rates_by_rank,
+                  "group_build": _number, "store_connect": _number, "gloo_connect": _number}),
     "broken": ({"gen": _int, "step": _int, "error": _str}, {}),
     "failed": ({"gen": _int, "step": _int, "error": _str}, {}),
     "prepare": ({"gen": _int, "rank": _int, "world_size": _positive, "store_host": _str, "store_port": _positive,

@@ -168,10 +168,16 @@ class Leave:
 
 
 def _connect(host: str, port: int, prefix: str, rank: int, size: int, timeout: float) -> RealGroup:
+    """The group, with where its build went in ``connect_s``: the store client, then gloo's pairs
+    (which includes waiting for the last member to reach the store)."""
     delta = datetime.timedelta(seconds=timeout)
+    started = time.monotonic()
     store = dist.TCPStore(host, port, size, False, timeout=max(delta, RealGroup.CONNECT_TIMEOUT),
                           wait_for_workers=False)
-    return RealGroup(dist.PrefixStore(prefix, store), rank, size, delta)
+    stored = time.monotonic()
+    group = RealGroup(dist.PrefixStore(prefix, store), rank, size, delta)
+    group.connect_s = {"store": stored - started, "gloo": time.monotonic() - stored}
+    return group
 
 
 def build_group(spec: GroupSpec, timeout: float) -> RealGroup:
@@ -199,6 +205,8 @@ class NextGroup:
         self._lock = threading.Lock()
         self._dropped = False
         self._done = threading.Event()
+        self.started = time.monotonic()
+        self.seconds = 0.0  # from the start of the build to the group (or the error), the probe included
         connect = (lambda: build_group(spec, timeout)) if handover is None else \
             (lambda: handover.build(Handover.LEAVER, timeout))
         self._thread = threading.Thread(target=self._build, args=(connect, on_ready, on_error), daemon=True,
@@ -244,6 +252,7 @@ class NextGroup:
             if report:
                 on_error(self, exc)
         finally:
+            self.seconds = time.monotonic() - self.started
             self._done.set()
 
     def drop(self) -> None:
