@@ -19,10 +19,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import multiprocessing
 import os
 import platform
 import shlex
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -395,3 +397,38 @@ def plot_step_times(name: str, panels: dict[str, tuple[Sequence[dict], Sequence[
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+# ---------------------------------------------------------------------------- loopback bandwidth
+
+def _send(port: int, nbytes: int, chunk: int) -> None:
+    data = memoryview(bytearray(chunk))
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        sent = 0
+        while sent < nbytes:
+            s.sendall(data[:min(chunk, nbytes - sent)])
+            sent += chunk
+        s.recv(1)  # the receiver's ack: everything arrived
+
+
+def loopback_bandwidth(nbytes: int, repeats: int = 3, chunk: int = 4 << 20) -> float:
+    """Bytes per second of a plain TCP copy over 127.0.0.1 between two processes (median of runs)."""
+    rates = []
+    for _ in range(repeats):
+        with socket.create_server(("127.0.0.1", 0)) as srv:
+            proc = multiprocessing.get_context("fork").Process(
+                target=_send, args=(srv.getsockname()[1], nbytes, chunk))
+            proc.start()
+            conn, _ = srv.accept()
+            with conn:
+                view, got = memoryview(bytearray(chunk)), 0
+                t0 = time.perf_counter()
+                while got < nbytes:
+                    n = conn.recv_into(view)
+                    if not n:
+                        raise RuntimeError("the sender closed early")
+                    got += n
+                rates.append(nbytes / (time.perf_counter() - t0))
+                conn.sendall(b"k")
+            proc.join(30)
+    return statistics.median(rates)

@@ -50,10 +50,8 @@ and a markdown section ``bench/results/planned_migration.md``. Every job runs un
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import re
 import shutil
-import socket
 import statistics
 import sys
 import time
@@ -67,41 +65,6 @@ from bench.competitors import torchrun_job as tj  # noqa: E402
 NAME = "planned_migration"
 SWAP_FIELDS = ("phase1_started_s", "phase1_done_s", "switched_s", "first_step_s", "stall_s", "joiner_stall_s",
                "bytes_from_leaver", "handover_s")
-
-
-# ---------------------------------------------------------------------------- loopback bandwidth
-
-def _send(port: int, nbytes: int, chunk: int) -> None:
-    data = memoryview(bytearray(chunk))
-    with socket.create_connection(("127.0.0.1", port)) as s:
-        sent = 0
-        while sent < nbytes:
-            s.sendall(data[:min(chunk, nbytes - sent)])
-            sent += chunk
-        s.recv(1)  # the receiver's ack: everything arrived
-
-
-def loopback_bandwidth(nbytes: int, repeats: int = 3, chunk: int = 4 << 20) -> float:
-    """Bytes per second of a plain TCP copy over 127.0.0.1 between two processes (median of runs)."""
-    rates = []
-    for _ in range(repeats):
-        with socket.create_server(("127.0.0.1", 0)) as srv:
-            proc = multiprocessing.get_context("fork").Process(
-                target=_send, args=(srv.getsockname()[1], nbytes, chunk))
-            proc.start()
-            conn, _ = srv.accept()
-            with conn:
-                view, got = memoryview(bytearray(chunk)), 0
-                t0 = time.perf_counter()
-                while got < nbytes:
-                    n = conn.recv_into(view)
-                    if not n:
-                        raise RuntimeError("the sender closed early")
-                    got += n
-                rates.append(nbytes / (time.perf_counter() - t0))
-                conn.sendall(b"k")
-            proc.join(30)
-    return statistics.median(rates)
 
 
 # ---------------------------------------------------------------------------- measures
@@ -299,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     if not sizes or args.at < 1 or args.steps < args.at + 10 or args.ckpt_every < 1 or args.loopback_mb < 1:
         p.error("need sizes, --at >= 1, --steps >= --at + 10, --ckpt-every >= 1, --loopback-mb >= 1")
 
-    bandwidth = loopback_bandwidth(args.loopback_mb << 20)
+    bandwidth = common.loopback_bandwidth(args.loopback_mb << 20)
     print(f"loopback bandwidth: {bandwidth / 1e9:.2f} GB/s", flush=True)
     runs, tg, same = [], {}, {}
     for size in sizes:
