@@ -80,7 +80,7 @@ CPU_INTERVAL = 0.5  # seconds between samples of /proc (CPU time of the job's pr
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = common.Parser(prog="etcd_failure", description=__doc__.split("\n\n")[0],
-               formatter_class=argparse.RawDescriptionHelpFormatter)
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", help=f"model size (default {DEFAULTS['size']})")
     p.add_argument("--steps", type=int, help=f"steps per run (default {DEFAULTS['steps']})")
     p.add_argument("--kill-at", type=int, help=f"kill -9 etcd once step K is committed (default {DEFAULTS['kill_at']})")

@@ -169,8 +169,8 @@ def drains_of(size: str, args) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     p = common.Parser(prog="bench/transfer_limit.py", description=__doc__.splitlines()[0],
-               epilog="Run nothing else on the machine meanwhile (on a shared machine: "
-                      "flock /tmp/tmrun-bench.lock python bench/transfer_limit.py ...).")
+                      epilog="Run nothing else on the machine meanwhile (on a shared machine: "
+                             "flock /tmp/tmrun-bench.lock python bench/transfer_limit.py ...).")
     p.add_argument("--sizes", type=size_list, default=None, help="model sizes, comma-separated (default 5M,50M)")
     p.add_argument("--drains", type=count(1), default=2, help="drains (with --rejoin) per size (default 2)")
     p.add_argument("--loopback-mb", type=count(1), default=512, help="MB for the loopback copy (default 512)")
