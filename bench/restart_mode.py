@@ -52,6 +52,17 @@ def warm_interpreters(pid: int) -> int:
 
 def run_tmrun(args: argparse.Namespace, name: str, flags: list[str]) -> dict:
     wd = common.workdir(f"restart-{name}")
+    steps, t_kill = kill_once(args, name, flags, wd)
+    result = {"run": name, "launcher": "tmrun", "flags": flags, "interruption": common.interruption(steps, t_kill).to_dict(),
+              "first_step_after_kill_s": first_after(steps, t_kill)}
+    shutil.rmtree(wd, ignore_errors=True)
+    return result
+
+
+def kill_once(args: argparse.Namespace, name: str, flags: list[str], wd: Path) -> tuple[list[dict], float]:
+    """The torchrun script under tmrun's restart mode (2 nodes, no standby), rank 1 killed once step
+    ``args.kill_at`` is committed (with ``--warm-start``: once both warm interpreters are there);
+    the step log and the kill's wall time. Also unplanned_failure.py's restart-mode row."""
     job = common.TmrunJob(wd, train_args(args, wd), nnodes=2, standby=0, script=SCRIPT, name=name,
                           flags=["--max-restarts", "3", *flags])
     try:
@@ -71,11 +82,7 @@ def run_tmrun(args: argparse.Namespace, name: str, flags: list[str]) -> dict:
         job.stop()
         job.out.close()
         job.err.close()
-    steps, _ = common.read_log(job.step_log)
-    result = {"run": name, "launcher": "tmrun", "flags": flags, "interruption": common.interruption(steps, t_kill).to_dict(),
-              "first_step_after_kill_s": first_after(steps, t_kill)}
-    shutil.rmtree(wd, ignore_errors=True)
-    return result
+    return common.read_log(job.step_log)[0], t_kill
 
 
 def run_torchrun(args: argparse.Namespace) -> dict:

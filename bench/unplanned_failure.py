@@ -19,6 +19,10 @@ by default:
   restarted gloo worker can read its peer's address of the previous generation from it and fail,
   pytorch/pytorch#135712, which costs a whole extra restart when it happens) and with the
   documented workaround ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (*torchrun-fresh*).
+- **tmrun-restart**: ``bench/competitors/torchrun_gpt.py`` (the torchrun script, no tmrun runtime,
+  checkpoint every ``--ckpt-every``) under tmrun's restart mode with ``--warm-start``, 2 nodes, no
+  standby (``restart_mode.kill_once``): every worker is restarted from the checkpoint, from a
+  Python with torch already imported. Target: time lost (*downtime*) at most 0.5x torchrun's.
 - **torchft**: ``bench/competitors/torchft_gpt.py``, a lighthouse and 2 replica groups of one
   process each (torchft 0.2.0 defaults: heartbeat timeout 5000 ms, join timeout 60000 ms;
   ``min_replicas`` 1 so the survivor may go on alone). Replica 1 is killed and started again at
@@ -37,7 +41,11 @@ time (the harness polls the step log every 20 ms and spawns nothing while a job 
 - the ratios torchrun/tmrun and torchft/tmrun of *full size*.
 
 For tmrun the job's ``swap`` event is recorded too (its timings count from the failed worker's
-report; this script also counts them from the kill). Targets: back at full size at least 10x
+report; this script also counts them from the kill), and the limit it is held to: *failure
+reported* (kill to the failed worker's report) + *one group build* (the slowest member's, from
+its ``prepare``'s arrival: ``group_build`` of the switch) + *state bytes ÷ loopback* (the bytes
+the joiner received over a plain TCP copy's rate on 127.0.0.1, measured at the start of this
+run) + *one median step*; target: back at full size within 1.2x of it. Targets: back at full size at least 10x
 sooner than torchrun (both ways), and sooner than torchft. Note that torchrun's *full size* is
 its first step after the restart, a recomputed one: the recomputation shows in *downtime*.
 
@@ -61,28 +69,26 @@ import time
 import traceback
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent / "examples")]
+if not __package__:  # `python bench/X.py`: the repo root, not bench/, on sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "examples"))  # train_gpt's parse_count
+from bench import common, restart_mode  # noqa: E402
+from bench.competitors import torchft_job, torchrun_job  # noqa: E402
 
-import common  # noqa: E402
-from competitors import torchft_job, torchrun_job  # noqa: E402
-
-COMPETITORS = ("tmrun", "torchrun", "torchrun-fresh", "torchft")
+COMPETITORS = ("tmrun", "torchrun", "torchrun-fresh", "torchft", "tmrun-restart")
 TARGET_TORCHRUN = 10.0  # back at full size at least this many times sooner than torchrun
+TARGET_LIMIT = 1.2  # back at full size within this many times the limit (report + group build + bytes + a step)
+TARGET_RESTART = 0.5  # restart mode's time lost at most this fraction of torchrun's
+LOOPBACK_MB = 256  # the loopback copy that sets the limit's transfer term
 TMRUN_CONF = "join_timeout=120"  # tmrun's defaults otherwise; join_timeout only bounds the first rendezvous
 FT_HEARTBEAT_MS, FT_JOIN_MS = 5000, 60000  # torchft's lighthouse defaults
 QUICK = {"sizes": "1M", "kill_at": 20, "steps": 35, "ckpt_every": 15}
 DEFAULTS = {"sizes": "5M,50M", "kill_at": 30, "steps": None, "ckpt_every": 20}  # steps: kill_at + 20
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, no usage dump
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = Parser(prog="unplanned_failure", description=__doc__.split("\n\n")[0],
-               formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.Parser(prog="unplanned_failure", description=__doc__.split("\n\n")[0],
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", help=f"model sizes, comma-separated (default {DEFAULTS['sizes']})")
     p.add_argument("--kill-at", type=int, help=f"kill once step K is committed (default {DEFAULTS['kill_at']})")
     p.add_argument("--steps", type=int, help="steps per run (default: kill-at + 20)")
@@ -129,27 +135,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 # ---------------------------------------------------------------------------- helpers
 
-def wait_record(path: Path, match, timeout: float, alive, what: str) -> dict:
-    """Poll a step log (every 20 ms, reading it only when it grew) for the first step record that
-    ``match``es. Finer than ``common.wait_for_step`` so that a kill lands early in the next step,
-    and it spawns nothing: the harness must not take CPU from the job it measures."""
-    deadline = time.monotonic() + timeout
-    size = -1
-    while time.monotonic() < deadline:
-        now = path.stat().st_size if path.exists() else 0
-        if now != size:
-            size = now
-            hit = next((r for r in common.read_log(path)[0] if match(r)), None)
-            if hit is not None:
-                return hit
-        if not alive():
-            raise RuntimeError(f"the job ended before {what}")
-        time.sleep(0.02)
-    raise TimeoutError(f"{what}: not within {timeout:g} s")
-
-
 def wait_step(path: Path, step: int, timeout: float, alive) -> float:
-    return wait_record(path, lambda r: r["step"] >= step, timeout, alive, f"step {step}")["t"]
+    return common.wait_record(path, lambda r: r["step"] >= step, timeout, alive, f"step {step}")["t"]
 
 
 def first_per_step(steps: list[dict]) -> list[dict]:
@@ -190,7 +177,7 @@ def run_tmrun(size: str, args, wd: Path) -> dict:
         # read the swap event only once the job is back at full size, so that no `tmrun events`
         # process competes with the recovery for the CPU; it must be read before the job (and its etcd) ends
         alive = lambda: job.proc.poll() is None  # noqa: E731
-        wait_record(job.step_log, lambda r: r["gen"] > gen, args.timeout, alive, "the swapped-in generation")
+        common.wait_record(job.step_log, lambda r: r["gen"] > gen, args.timeout, alive, "the swapped-in generation")
         swaps = job.swap_events(1, timeout=args.timeout)
         code = job.wait(args.timeout)
     finally:
@@ -238,7 +225,7 @@ def run_torchrun(size: str, args, wd: Path, fresh_store: bool = False) -> dict:
         raise RuntimeError(f"torchrun agents exited {codes}; see {wd}/agents")
     steps, _ = common.read_log(log)
     out = recovery(steps, t_kill, lambda r: True)
-    detail = torchrun_job.recovery(torchrun_job.read_step_log(log), t_kill)
+    detail = torchrun_job.recovery(common.read_records(log), t_kill)
     out["restart"] = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in detail.items()}
     out["restart"].update(agent_rounds(job, t_kill))
     marks = [(t_kill, "kill -9 node1's worker"), (t_kill + detail["started_s"], "workers restarted")]
@@ -273,6 +260,13 @@ def agent_rounds(job, t_kill: float) -> dict:
             "last_round_started_s": None if last is None else round(last - t_kill, 3)}
 
 
+def run_tmrun_restart(size: str, args, wd: Path) -> dict:
+    job_args = argparse.Namespace(params=size, steps=args.steps, kill_at=args.kill_at, ckpt_every=args.ckpt_every,
+                                  timeout=args.timeout)
+    steps, t_kill = restart_mode.kill_once(job_args, "unplanned-restart", ["--warm-start"], wd)
+    return {"steps": steps, "marks": [(t_kill, "kill -9 rank 1")], "result": recovery(steps, t_kill, lambda r: True)}
+
+
 def run_torchft(size: str, args, wd: Path) -> dict:
     log = wd / "steps.jsonl"
     replicas = 2
@@ -297,7 +291,7 @@ def run_torchft(size: str, args, wd: Path) -> dict:
     first_full = min((r["t"] for r in raw if r["t"] > t_kill and r["participants"] >= replicas), default=None)
     if first_full is not None:  # the earliest record at full size, whichever replica wrote it
         out["full_size_s"] = round(first_full - t_kill, 3)
-    summary = torchft_job.summarize(torchft_job.read_log(log), t_kill, 1, replicas)
+    summary = torchft_job.summarize(raw, t_kill, 1, replicas)
     out["torchft"] = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in summary.items()}
     marks = [(t_kill, "kill -9 + restart replica 1")]
     if summary["restarted_first_t_s"] is not None:
@@ -308,7 +302,7 @@ def run_torchft(size: str, args, wd: Path) -> dict:
 
 RUNNERS = {"tmrun": run_tmrun, "torchrun": run_torchrun,
            "torchrun-fresh": lambda size, args, wd: run_torchrun(size, args, wd, fresh_store=True),
-           "torchft": run_torchft}
+           "torchft": run_torchft, "tmrun-restart": run_tmrun_restart}
 
 
 # ---------------------------------------------------------------------------- output
@@ -355,10 +349,54 @@ SWAP_COLUMNS = ["size", "failure reported", "plan written", "group built", "swit
 TORCHRUN_LABEL = {"torchrun": "torchrun", "torchrun-fresh": "torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"}
 
 
+def limit(result: dict, bandwidth: float) -> dict | None:
+    """The terms a failure cannot go below, measured in this run, and tmrun against their sum."""
+    s = result.get("swap") or {}
+    if not s or s.get("group_build_s") is None or result.get("full_size_s") is None:
+        return None
+    terms = {"failure_reported_s": s["report_after_kill_s"], "group_build_s": s["group_build_s"],
+             "bytes_over_loopback_s": round(s["bytes_moved"] / bandwidth, 4), "median_step_s": result["median_step_s"]}
+    total = sum(terms.values())
+    return {**terms, "limit_s": round(total, 4), "full_size_s": result["full_size_s"],
+            "ratio": round(result["full_size_s"] / total, 3), "store_connect_s": s.get("store_connect_s"),
+            "gloo_connect_s": s.get("gloo_connect_s")}
+
+
+LIMIT_COLUMNS = ["size", "failure reported", "one group build", "state bytes / loopback", "one median step",
+                 "limit (sum)", "back at full size", "ratio"]
+
+
+def limit_rows(results: dict) -> list[list]:
+    return [[size, x["failure_reported_s"], x["group_build_s"], x["bytes_over_loopback_s"], x["median_step_s"],
+             x["limit_s"], x["full_size_s"], f"{x['ratio']:.2f}x"]
+            for size, per in results.items() if (x := (per.get("tmrun") or {}).get("limit"))]
+
+
 def targets(results: dict) -> list[dict]:
     out = []
     for size, per in results.items():
         tm = per.get("tmrun") or {}
+        if "limit" in tm:
+            x = tm["limit"]
+            out.append({"size": size, "target": f"within {TARGET_LIMIT:g}x of the limit",
+                        "ratio": None if x is None else x["ratio"],
+                        "met": x is not None and x["ratio"] <= TARGET_LIMIT,
+                        "reason": "no swap event with the group's build time" if x is None else
+                        f"{x['full_size_s']:.2f} s against {x['limit_s']:.2f} s = failure reported "
+                        f"{x['failure_reported_s']} + one group build {x['group_build_s']} (store "
+                        f"{x['store_connect_s']}, gloo {x['gloo_connect_s']}) + state bytes / loopback "
+                        f"{x['bytes_over_loopback_s']} + one median step {x['median_step_s']}"})
+        restart = per.get("tmrun-restart") or {}
+        for name in ("torchrun", "torchrun-fresh"):
+            other = per.get(name) or {}
+            if restart.get("downtime_s") is None or not other.get("downtime_s"):
+                continue
+            ratio = restart["downtime_s"] / other["downtime_s"]
+            out.append({"size": size, "target": f"restart mode loses <= {TARGET_RESTART:g}x of {TORCHRUN_LABEL[name]}'s"
+                        " time", "ratio": round(ratio, 3), "met": ratio <= TARGET_RESTART,
+                        "reason": f"lost {restart['downtime_s']:.2f} s vs {other['downtime_s']:.2f} s ({ratio:.2f}x); "
+                                  f"first step after the kill {restart['continue_s']} s vs {other['continue_s']} s, "
+                                  f"{restart['recomputed']} vs {other['recomputed']} steps recomputed"})
         base = tm.get("full_size_s")
         checks = [(name, TARGET_TORCHRUN, f">= {TARGET_TORCHRUN:g}x sooner than {TORCHRUN_LABEL[name]}")
                   for name in ("torchrun", "torchrun-fresh")] + [("torchft", 1.0, "sooner than torchft")]
@@ -388,6 +426,9 @@ def where(name: str, r: dict) -> list[str]:
         return [f"failure reported {s.get('report_after_kill_s')}", f"plan written {s.get('plan_written_from_kill_s')}",
                 f"new group built {s.get('phase1_done_from_kill_s')}", f"switched {s.get('switched_from_kill_s')}",
                 f"first step {s.get('first_step_from_kill_s')}", f"survivor stalled {s.get('stall_s')}"]
+    if name == "tmrun-restart":
+        return [f"first step after the kill {r['continue_s']}", f"{r['recomputed']} steps recomputed",
+                f"new work {r['new_work_s']}"]
     if name.startswith("torchrun"):
         rs = r.get("restart", {})
         return [f"{rs.get('worker_groups_started')} worker generation(s) started "
@@ -409,12 +450,7 @@ def breakdown(results: dict) -> list[str]:
             for name, r in per.items()]
 
 
-def markdown(doc: dict, table: list[list], swaps: list[list], goals: list[dict]) -> str:
-    def md_table(columns, body):
-        lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-        lines += ["| " + " | ".join(common._fmt(v) for v in row) + " |" for row in body]
-        return "\n".join(lines)
-
+def markdown(doc: dict, table: list[list], swaps: list[list], limits: list[list], goals: list[dict]) -> str:
     m = doc["machine"]
     text = [f"## Unplanned failure (kill -9 at step {doc['kill_at']})", "",
             f"`{doc['command']}` on {m['cpu']} ({m['cores']} cores), torch {m['torch']}, "
@@ -423,10 +459,14 @@ def markdown(doc: dict, table: list[list], swaps: list[list], goals: list[dict])
             "step with every rank/replica taking part; *new work*: first step beyond the last one committed before "
             "the kill; *recomputed*: steps committed twice; *reduced steps*: steps "
             "committed at less than full size before that; *downtime*: wall time lost against the median step.", "",
-            md_table(COLUMNS, table), ""]
+            common.md_table(COLUMNS, table), ""]
     if swaps:
         text += ["tmrun's swap, seconds from the kill (the `swap` event counts from the failed worker's report):",
-                 "", md_table(SWAP_COLUMNS, swaps), ""]
+                 "", common.md_table(SWAP_COLUMNS, swaps), ""]
+    if limits:
+        text += [f"tmrun against the limit, each term measured in this run (seconds; loopback "
+                 f"{doc['loopback_bytes_per_s'] / 1e9:.2f} GB/s, a socket copy of {LOOPBACK_MB} MB):", "",
+                 common.md_table(LIMIT_COLUMNS, limits), ""]
     text += ["Where the time goes (seconds from the kill):", ""]
     text += [f"- {line}" for line in breakdown(doc["results"])]
     text += ["", "Targets:", ""]
@@ -446,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     dirs: list[Path] = []
     failed = False
     t_start = time.time()
+    bandwidth = common.loopback_bandwidth(LOOPBACK_MB << 20)
+    print(f"loopback bandwidth: {bandwidth / 1e9:.2f} GB/s", flush=True)
     try:
         for size in args.size_list:
             results[size] = {}
@@ -465,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 walls[f"{size} {name}"] = round(time.monotonic() - t0, 1)
                 r = run["result"]
+                if name == "tmrun":
+                    r["limit"] = limit(r, bandwidth)
                 results[size][name] = r
                 panels[f"{size} {name}"] = (run["steps"], run["marks"])
                 print(f"[{size} {name}] {walls[f'{size} {name}']:.0f} s: continues after {r['continue_s']} s, "
@@ -476,10 +520,12 @@ def main(argv: list[str] | None = None) -> int:
         elif dirs:
             print("kept: " + " ".join(map(str, dirs)))
 
-    table, swaps, goals = rows(results), swap_rows(results), targets(results)
+    table, swaps, limits, goals = rows(results), swap_rows(results), limit_rows(results), targets(results)
     common.print_table(f"Unplanned failure: kill -9 at step {args.kill_at}, seconds from the kill", COLUMNS, table)
     if swaps:
         common.print_table("tmrun's swap, seconds from the kill", SWAP_COLUMNS, swaps)
+    if limits:
+        common.print_table("tmrun against the limit (seconds)", LIMIT_COLUMNS, limits)
     for line in breakdown(results):
         print(line)
     for g in goals:
@@ -492,10 +538,13 @@ def main(argv: list[str] | None = None) -> int:
                                   "store; workaround for pytorch/pytorch#135712)",
                 "torchft": f"torchft 0.2.0, lighthouse + 2 replica groups, heartbeat_timeout_ms {FT_HEARTBEAT_MS}, "
                            f"join_timeout_ms {FT_JOIN_MS}, min_replicas 1, "
-                           "replica restarted at once"}
+                           "replica restarted at once",
+                "tmrun-restart": "restart mode (the torchrun script, no runtime), 2 nodes, no standby, --warm-start, "
+                                 f"--max-restarts 3, checkpoint every {args.ckpt_every} steps"}
     settings = {k: v for k, v in settings.items() if k in args.competitor_list}
     doc = {"sizes": args.size_list, "kill_at": args.kill_at, "steps": args.steps, "ckpt_every": args.ckpt_every,
            "settings": settings, "results": results, "targets": goals, "wall_s": walls,
+           "loopback_bytes_per_s": bandwidth,
            "total_s": round(time.time() - t_start, 1)}
     path = common.save("unplanned_failure", doc)
     if panels:
@@ -504,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plot: {plot.relative_to(common.REPO)}")
     md = common.RESULTS / "unplanned_failure.md"
     saved = {**doc, "command": common.command_line(), "machine": common.machine()}
-    md.write_text(markdown(saved, table, swaps, goals))
+    md.write_text(markdown(saved, table, swaps, limits, goals))
     print(f"results: {path.relative_to(common.REPO)}, {md.relative_to(common.REPO)}; total {doc['total_s']:.0f} s")
     return 1 if failed else 0
 
