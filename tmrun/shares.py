@@ -11,7 +11,7 @@ mean over all ``count`` shares' gradients at any ``W``::
     for step in run.steps(total=1000):
         for share in run.shares(count=12, ddp=ddp):
             x, y = batch(step, share.index)              # the data of one share, by its index
-            (loss_fn(ddp(x), y) * share.weight).backward()
+            run.backward(loss_fn(ddp(x), y) * share.weight)
         if run.commit():
             opt.step()
         opt.zero_grad()
