@@ -326,7 +326,7 @@ class NodeAgent:
                     raise RuntimeError("a background task of the agent ended")
 
     async def _sync(self) -> int | None:
-        """One look at etcd: report what changed here, then follow ``outcome`` and ``plan``.
+        """One look at etcd: follow ``outcome`` and ``plan``, then report what changed here.
 
         Returns an exit code when this agent is done. Raises StoreError when etcd cannot be
         reached; nothing here is lost then (the node's state stays in ``self._run`` and is
@@ -350,16 +350,17 @@ class NodeAgent:
             await self._store.put(self._keys.node_done(self.cfg.node), {"v": 1, "node": self.cfg.node,
                                                                          "at": time.time()})
             return EXIT_OK if outcome.state == "succeeded" else EXIT_FAILED
+        plan = await self._read_plan(plan_mod)
+        if full:
+            self._looked_at, self._looked_reconnects = time.monotonic(), self._changes.reconnects
+        # The plan first: a new generation's prepare waits for no write of this node's (a pending
+        # progress report, say), and what following it changed goes out in the same report.
+        leave = plan is not None and await self._reconcile(plan)
         if self._dirty.is_set() or self._resync:
             self._dirty.clear()
             await self._report(self._run)
             self._resync = False
-        plan = await self._read_plan(plan_mod)
-        if full:
-            self._looked_at, self._looked_reconnects = time.monotonic(), self._changes.reconnects
-        if plan is not None and await self._reconcile(plan):
-            return EXIT_OK
-        return None
+        return EXIT_OK if leave else None
 
     def _full_look_due(self) -> bool:
         """Whether this look reads etcd rather than trusting the watch: every LOOK_AGAIN seconds,
