@@ -592,7 +592,11 @@ class Run:
                                "waiting for the next", exc)
                     self._give_up(pending, "it failed during the state exchange", f"the state exchange failed: {exc}")
                     continue
-            message = self.channel.wait(timeout=0.05 if pending is not None else deadline - time.monotonic())
+            if pending is not None:
+                pending.settle(0.05)  # back the moment the build ends; a newer prepare is seen within 50 ms
+                message = self.channel.poll()
+            else:
+                message = self.channel.wait(timeout=deadline - time.monotonic())
             if message is not None:
                 self._on_message(message)
         raise StepFailed(f"step {self.step}: no working generation came within {self.recover_timeout:g} s "

@@ -275,6 +275,10 @@ class NextGroup:
     def done(self) -> bool:
         return self._done.is_set()
 
+    def settle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for the build to end (built or failed); whether it did."""
+        return self._done.wait(timeout)
+
     def wait(self, timeout: float | None = None) -> RealGroup:
         if not self._done.wait(timeout):
             raise TimeoutError(f"group of generation {self.spec.gen} not built within {timeout} s")
