@@ -58,10 +58,9 @@ CLK_TCK = procfs.CLOCK_TICKS
 # The drain path, read from the code: every etcd round trip in order, and whether the request ->
 # phase 1 interval waits for it. "push": etcd delivers a watch event (half a round trip, no request).
 DRAIN_PATH = [
-    ("tmrun drain", "get_prefix(job)", "tmrun/admin.py known_nodes", "before"),
-    ("tmrun drain", "get(outcome)", "tmrun/admin.py drain", "before"),
-    ("tmrun drain", "get_prefix(job) for the watch revision", "tmrun/admin.py drain", "before"),
-    ("tmrun drain", "watch create", "agent/changes.py Changes.start", "before"),
+    ("tmrun drain", "get_prefix(job): the nodes, the plan, the outcome and the watch's revision", "tmrun/admin.py drain",
+     "before"),
+    ("tmrun drain", "watch create (request, node, plan, outcome)", "agent/changes.py Changes.start", "before"),
     ("tmrun drain", "put(requests/ID)  [Request.created is stamped just before]", "tmrun/admin.py drain", "yes"),
     ("etcd", "push: watch event -> the leader's copy of the keys", "agent/mirror.py Mirror._run", "yes (push)"),
     ("leader", "(no etcd) read_cluster on its copy (only changed records parsed), decide(); the TCPStore "

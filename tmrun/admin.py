@@ -117,33 +117,53 @@ def _node_records(keys: JobKeys, entries: dict[str, Entry]) -> dict[str, NodeRec
 
 
 async def known_nodes(store: Store, job: str) -> tuple[set[str], Plan | None]:
-    keys = JobKeys(job)
-    entries, _ = await store.get_prefix(keys.root)
+    names, plan, _, _ = _known(JobKeys(job), *await store.get_prefix(JobKeys(job).root))
+    return names, plan
+
+
+def _known(keys: JobKeys, entries: dict[str, Entry], revision: int) -> tuple[set[str], Plan | None,
+                                                                             dict[str, Entry], int]:
     plan = parse(Plan, entries.get(keys.plan))
     names = set(_node_records(keys, entries))
     if plan is not None:
         names |= set(plan.members) | set(plan.out)
-    return names, plan
+    return names, plan, entries, revision
 
 
 async def drain(store: Store, job: str, node: str, *, wait: bool, timeout: float,
                 progress: Callable[[str], None], rejoin: bool = False) -> str:
     """Ask the leader to drain ``node``; with ``wait``, return once the node has left the job
-    (with ``rejoin``: once it stopped training and is back in the pool as a standby)."""
+    (with ``rejoin``: once it stopped training and is back in the pool as a standby).
+
+    One read of the job's keys before the request (the nodes, the plan, whether the job ended,
+    and the revision the watch starts from); then the request's answer, the node's key and the
+    plan come with the watch's events. After the watch was away they are read again, once."""
     keys = JobKeys(job)
-    names, _ = await known_nodes(store, job)
+    names, _, entries, revision = _known(keys, *await store.get_prefix(keys.root))
     if node not in names:
         listed = ", ".join(sorted(names)) or "none"
         raise UnknownNode(f"unknown node {node!r} in job {job} (nodes: {listed})")
-    if parse(Outcome, await store.get(keys.outcome)) is not None:
+    if parse(Outcome, entries.get(keys.outcome)) is not None:
         raise TmrunError(f"job {job} has already ended")
     request = Request(uuid.uuid4().hex[:12], "drain", node, time.time(), rejoin=rejoin)
-    _, revision = await store.stat(keys.plan)
     # What this command waits on: its request's answer, the node's key, the plan, the job's end.
-    changes = Changes(store, [keys.request(request.id), keys.node(node), keys.plan, keys.outcome])
+    watched = [keys.request(request.id), keys.node(node), keys.plan, keys.outcome]
+    changes = Changes(store, watched)
     await changes.start(revision + 1)
+    known = {key: entries.get(key) for key in watched}
+    reconnects = changes.reconnects
+
+    async def current(key: str) -> Entry | None:
+        """``key`` as the watch last delivered it (or as first read); read again after an outage."""
+        event = changes.latest(key)
+        if event is not None:
+            known[key] = None if event.value is None else Entry(event.key, event.value, event.create_revision,
+                                                                 event.revision)
+        return known[key]
+
     try:
         await store.put(keys.request(request.id), request.to_dict())
+        known[keys.request(request.id)] = None  # until the watch brings it back (answered or not)
         progress(f"drain {node}: requested (request {request.id})")
         deadline = time.monotonic() + timeout
         answered: Request | None = None
@@ -152,30 +172,36 @@ async def drain(store: Store, job: str, node: str, *, wait: bool, timeout: float
             ended = _ended(changes, keys)
             if ended is not None:  # from the watch: the job's etcd may stop right after the job ends
                 if answered is None:
-                    with contextlib.suppress(StoreError):
-                        answered = parse(Request, await store.get(keys.request(request.id)))
+                    answered = parse(Request, await current(keys.request(request.id)))
+                    if answered is None:
+                        with contextlib.suppress(StoreError):
+                            answered = parse(Request, await store.get(keys.request(request.id)))
                 if answered is None or answered.state == "pending":
                     raise TmrunError(f"job {job} ended before the drain was answered")
                 if answered.state == "rejected":
                     raise RequestRejected(answered.answer)
                 progress(f"job {job} ended ({ended.state}) while {node} was leaving: {node} is out of it")
                 return answered.answer
-            entry = await store.get(keys.request(request.id))
-            current = parse(Request, entry) or request
-            if answered is None and current.state != "pending":
-                answered = current
-                if current.state == "rejected":
-                    raise RequestRejected(current.answer)
-                progress(current.answer)
+            if changes.reconnects != reconnects or not changes.connected:  # events may have been missed
+                for key in watched:
+                    known[key] = await store.get(key)
+                reconnects = changes.reconnects
+            current_request = parse(Request, await current(keys.request(request.id))) or request
+            if answered is None and current_request.state != "pending":
+                answered = current_request
+                if current_request.state == "rejected":
+                    raise RequestRejected(current_request.answer)
+                progress(current_request.answer)
                 if not wait:
-                    return current.answer
-            if answered is not None and await store.get(keys.node(node)) is None:
+                    return current_request.answer
+            record = await current(keys.node(node))
+            if answered is not None and record is None:
                 progress(f"{node} has left the job")
                 return answered.answer
-            if answered is not None and rejoin and await _back_in_pool(store, keys, node):
+            if answered is not None and rejoin and _back_in_pool(await current(keys.plan), record, node):
                 progress(f"{node} is back in the pool as a standby")
                 return answered.answer
-            if answered is None and parse(Outcome, await store.get(keys.outcome)) is not None:
+            if answered is None and parse(Outcome, await current(keys.outcome)) is not None:
                 raise TmrunError(f"job {job} ended before the drain was answered")
             left = deadline - time.monotonic()
             if left <= 0:
@@ -194,8 +220,8 @@ def _ended(changes: Changes, keys: JobKeys) -> Outcome | None:
     return parse(Outcome, Entry(event.key, event.value, event.create_revision, event.revision))
 
 
-async def _back_in_pool(store: Store, keys: JobKeys, node: str) -> bool:
-    plan, rec = parse(Plan, await store.get(keys.plan)), parse(NodeRecord, await store.get(keys.node(node)))
+def _back_in_pool(plan_entry: Entry | None, node_entry: Entry | None, node: str) -> bool:
+    plan, rec = parse(Plan, plan_entry), parse(NodeRecord, node_entry)
     if plan is None or rec is None:
         return False
     return plan.rejoined(node, rec.run_state)
