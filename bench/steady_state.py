@@ -136,6 +136,80 @@ def _proc_info(pid: int, worker: bool) -> dict | None:
             "role": env.get(b"TMRUN_ROLE", b"active").decode()}
 
 
+def thread_cpu(pid: int) -> dict[str, int]:
+    """CPU ticks of a process's threads, by what they are: ``main`` (the thread that runs the script's
+    loop: tid == pid), ``gloo_tcp_loop``/``pt_gloo_runloop`` (gloo's I/O and work threads: the
+    all-reduces), ``python threads`` (other threads Python started: no OS name of their own, e.g.
+    tmrun's agent-channel reader and its ``alive`` heartbeat), and any other thread name as it is."""
+    out: dict[str, int] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                raw = f.read()
+        except OSError:
+            continue
+        comm = raw[raw.index(b"(") + 1:raw.rindex(b")")].decode(errors="replace")
+        fields = raw.rsplit(b")", 1)[1].split()
+        name = "main" if int(tid) == pid else "python threads" if comm.startswith("python") else comm
+        out[name] = out.get(name, 0) + int(fields[11]) + int(fields[12])
+    out["threads"] = len(tids)  # (a count, not ticks)
+    return out
+
+
+def memory_parts(pid: int) -> dict[str, int] | None:
+    """Where a process's resident memory is (kB, from ``/proc/PID/smaps``): ``heap`` (glibc's main
+    arena, the brk heap: the main thread's malloc, tensors under the mmap threshold included),
+    ``anon`` (other anonymous mappings: tensors mmap'd on their own, other threads' malloc arenas,
+    thread stacks, Python's obmalloc arenas), ``file`` (mapped files: libraries), ``rss`` (the sum)."""
+    parts = {"heap": 0, "anon": 0, "file": 0}
+    kind = "anon"
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            for line in f:
+                head = line.split(None, 6)
+                if head and "-" in head[0] and not head[0].endswith(":"):  # a mapping's first line
+                    name = head[5].strip() if len(head) > 5 else ""
+                    kind = "heap" if name == "[heap]" else "file" if name.startswith("/") else "anon"
+                elif head and head[0] == "Rss:":
+                    parts[kind] += int(head[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    parts["rss"] = sum(parts.values())
+    return parts
+
+
+def worker_detail(pids: list[int]) -> dict[int, dict]:
+    """Per worker: its threads' CPU ticks and, from smaps, where its memory is."""
+    return {pid: {"threads": thread_cpu(pid), "memory": memory_parts(pid)} for pid in pids}
+
+
+def detail_use(before: dict[int, dict], after: dict[int, dict], steps: int) -> dict:
+    """Mean over the workers: CPU ms per step by thread class between two details; memory (MiB) at
+    the end and its growth since the start."""
+    cpu: dict[str, list[float]] = {}
+    mem: dict[str, list[float]] = {}
+    threads = []
+    for pid, b in after.items():
+        a = before.get(pid)
+        if a is None:
+            continue
+        threads.append(b["threads"].get("threads", 0))
+        for name, ticks in b["threads"].items():
+            if name != "threads":
+                cpu.setdefault(name, []).append((ticks - a["threads"].get(name, 0)) / CLK_TCK / steps * 1e3)
+        if a["memory"] and b["memory"]:
+            for k, v in b["memory"].items():
+                mem.setdefault(k, []).append(v / 1024)
+                mem.setdefault(f"{k} growth", []).append((v - a["memory"][k]) / 1024)
+    return {"cpu_ms_per_step": {k: round(statistics.mean(v), 2) for k, v in sorted(cpu.items())},
+            "memory_mib": {k: round(statistics.mean(v), 1) for k, v in sorted(mem.items())},
+            "threads": round(statistics.mean(threads), 1) if threads else None}
+
+
 def _kind(argv: list[bytes], script: bytes) -> str:
     head = argv[1:3]  # python -u SCRIPT (a worker), python -m agent / torch.distributed.run (an agent)
     if script in head:
@@ -179,7 +253,8 @@ class ProcSampler(threading.Thread):
         with self._lock:
             table = procfs.table()
             ours = self.roots + sorted(procfs.descendants(self.roots, table))
-            foreign = {pid: ticks for pid, (_, ticks) in table.items() if pid not in set(ours)}
+            mine = set(ours)
+            foreign = {pid: ticks for pid, (_, ticks, *_) in table.items() if pid not in mine}
             self._foreign_total += sum(max(0, t - self._foreign[p]) for p, t in foreign.items() if p in self._foreign)
             self._foreign = foreign
             for pid in ours:
@@ -194,7 +269,7 @@ class ProcSampler(threading.Thread):
                 old = self.latest.get(pid)
                 if old is None or old["cpu"] != info["cpu"]:
                     self.cpu_moved[pid] = now
-                self.latest[pid] = {**info, "kind": kind, "t": now}
+                self.latest[pid] = {**info, "kind": kind, "t": now, "pid": pid}
             self.latest[0] = {"kind": "foreign", "cpu": self._foreign_total, "t": now}
             return {pid: dict(v) for pid, v in self.latest.items() if v["t"] == now}
 
@@ -232,6 +307,14 @@ class CpuTrace(threading.Thread):
     def stop(self) -> None:
         self._halt.set()
         self.join()
+
+    def pids_cores(self, start: float, end: float, pids: list[int]) -> float | None:
+        """Mean cores per process of ``pids`` from ``start`` to ``end`` (widened to the samples around them)."""
+        before = [x for x in self.samples if x[0] <= start]
+        after = [x for x in self.samples if x[0] >= end]
+        if not before or not after:
+            return None
+        return _cores_of(before[-1][1], after[0][1], pids)
 
     def cores(self, start: float, end: float, classes: dict[int, str]) -> dict[str, float] | None:
         """Cores used from ``start`` to ``end`` (widened to the samples around them), per class of
@@ -326,8 +409,11 @@ def run_torchrun(size: str, args, wd: Path) -> dict:
         agents = [n.agent for n in job.nodes]
         common.wait_for_step(log, args.warmup, args.timeout, agents)
         first, before = args.warmup, sampler.sample()
+        actives = [v["pid"] for v in sampler.workers(before, "active")]
+        detail0 = worker_detail(actives)
         common.wait_for_step(log, first + args.measure_of(size), args.timeout, agents)
         after = sampler.sample()
+        detail = detail_use(detail0, worker_detail(actives), args.measure_of(size))
         codes = job.wait(args.timeout)
     finally:
         sampler.stop()
@@ -336,7 +422,7 @@ def run_torchrun(size: str, args, wd: Path) -> dict:
     return {"steps": steps, "first": first, "last": first + args.measure_of(size), "exit": codes,
             "active_hwm_kb": sorted(v["hwm_kb"] for v in sampler.workers(after, "active")), "drains": [],
             "active_rss_kb": sorted(v["rss_kb"] for v in sampler.workers(after, "active")),
-            "done_maxrss_kb": None, "cpu_cores": cpu_use(before, after)}
+            "done_maxrss_kb": None, "cpu_cores": cpu_use(before, after), "detail": detail}
 
 
 def run_tmrun(size: str, args, wd: Path, standby: int) -> dict:
@@ -354,8 +440,11 @@ def run_tmrun(size: str, args, wd: Path, standby: int) -> dict:
             quiet_at = sampler.wait_quiet(standby_pids(job, args.timeout), 1.0, args.timeout, job.proc)
             first = max(args.warmup, first_step_after(job.step_log, max(t_warm, quiet_at)))
         before = sampler.sample()  # (no swap yet: each worker's TMRUN_ROLE is still its role)
+        actives = [v["pid"] for v in sampler.workers(before, "active")]
+        detail0 = worker_detail(actives)
         common.wait_for_step(job.step_log, first + measure, args.timeout, [job.proc])
         after = sampler.sample()
+        detail = detail_use(detail0, worker_detail(actives), measure)
         for k in range(args.drains if standby else 0):
             drains.append(drain_once(job, sampler, args, k, drains[-1]["swap"]["at"] if drains else None))
         if standby:
@@ -371,7 +460,7 @@ def run_tmrun(size: str, args, wd: Path, standby: int) -> dict:
             "active_hwm_kb": sorted(v["hwm_kb"] for v in sampler.workers(after, "active")),
             "active_rss_kb": sorted(v["rss_kb"] for v in sampler.workers(after, "active")),
             "standby_hwm_kb": sorted(v["hwm_kb"] for v in sampler.workers(after, "standby")),
-            "cpu_cores": cpu_use(before, after),
+            "cpu_cores": cpu_use(before, after), "detail": detail,
             "done_maxrss_kb": None if standby else sorted(r["maxrss_kb"] for r in other if r.get("event") == "done"),
             "drains": drains}
 
@@ -385,10 +474,13 @@ def drain_once(job: common.TmrunJob, sampler: ProcSampler, args, k: int, since: 
     quiet_at = sampler.wait_quiet(standby_pids(job, args.timeout), 1.0, args.timeout, job.proc)
     steps, _ = common.read_log(job.step_log)
     dirty = sum(1 for r in steps if since is not None and since <= r["t"] <= quiet_at)
+    calm0 = sampler.sample()  # the survivors' CPU while nothing is prepared, for the phase-1 comparison
     common.wait_for_step(job.step_log, first_step_after(job.step_log, quiet_at) + max(10, dirty + 5),
                          args.timeout, [job.proc])
+    calm1 = sampler.sample()
     status = job.status()
     node = next(n["node"] for n in status["nodes"] if n["role"] == "active" and n["node"] != status["leader"])
+    survivors = [p for n in status["nodes"] if n["role"] == "active" and n["node"] != node for p in n["worker_pids"]]
     classes = {}  # who is who during this drain, for the CPU used while phase 1 runs
     for n in status["nodes"]:  # (the leaver trains until the switch, like the survivors)
         role = "training" if n["role"] == "active" else "joiner" if n["role"] == "standby" else None
@@ -409,8 +501,29 @@ def drain_once(job: common.TmrunJob, sampler: ProcSampler, args, k: int, since: 
     if swap.get("phase1_started_s") is not None and swap.get("phase1_done_s") is not None:
         phase1_cpu = trace.cores(swap["requested"] + swap["phase1_started_s"],
                                  swap["requested"] + swap["phase1_done_s"], classes)
+    # CPU time per step of the survivors: their cores (CPU seconds per second) times the step time,
+    # in phase 1 (from the trace) and before the drain (calm0..calm1, the same median step as normal)
+    calm_cores = _cores_of(calm0, calm1, survivors)
+    p1_cores = None
+    if swap.get("phase1_started_s") is not None and swap.get("phase1_done_s") is not None:
+        p1_cores = trace.pids_cores(swap["requested"] + swap["phase1_started_s"],
+                                    swap["requested"] + swap["phase1_done_s"], survivors)
+    cpu_step = {"survivor_cores_normal": calm_cores, "survivor_cores_phase1": p1_cores}
+    if calm_cores and p1_cores and swap.get("phase1_step_time") and swap.get("normal_step_time"):
+        normal_ms = calm_cores * swap["normal_step_time"] * 1e3
+        phase1_ms = p1_cores * swap["phase1_step_time"] * 1e3
+        cpu_step.update(normal_ms=round(normal_ms, 1), phase1_ms=round(phase1_ms, 1),
+                        ratio=round(phase1_ms / normal_ms, 4))
     return {"node": node, "issued": t0, "returned": t1, "dirty_steps": dirty, "swap": swap, "phase1_ratio": ratio,
-            "phase1_cpu_cores": phase1_cpu}
+            "phase1_cpu_cores": phase1_cpu, "phase1_cpu_per_step": cpu_step}
+
+
+def _cores_of(a: dict[int, dict], b: dict[int, dict], pids: list[int]) -> float | None:
+    """Mean cores per process of ``pids`` between two samples (CPU seconds per second of wall)."""
+    live = [p for p in pids if p in a and p in b]
+    if not live or b[0]["t"] <= a[0]["t"]:
+        return None
+    return sum(b[p]["cpu"] - a[p]["cpu"] for p in live) / CLK_TCK / (b[0]["t"] - a[0]["t"]) / len(live)
 
 
 # ------------------------------------------------------------------------------ report
@@ -469,12 +582,41 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{NAME}]   {r['steps_per_s']:.3f} steps/s, median step {r['median_step_s'] * 1e3:.1f} ms, "
                       f"active peak RSS {[round(k / 1024) for k in r['active_hwm_kb']]} MiB", flush=True)
                 results[size][run].append(r)
+    try:  # a copy of the raw results, should the report fail
+        import pickle
+        with open(Path(os.environ.get("TMPDIR", "/tmp")) / f"{name}-results-{os.getpid()}.pickle", "wb") as f:
+            pickle.dump(results, f)
+    except (OSError, pickle.PicklingError):
+        pass
     return report(name, sizes, results, args)
 
 
 def _mean(values):
     values = [v for v in values if v is not None]
     return statistics.mean(values) if values else None
+
+
+def breakdown(sizes: list[str], results: dict) -> tuple[list, list, list, list]:
+    """The per-thread CPU and the memory-parts tables (rows per size and run)."""
+    names = sorted({k for size in sizes for run in RUNS for r in results[size][run] if r.get("detail")
+                    for k in r["detail"]["cpu_ms_per_step"]}, key=lambda k: (k != "main", k))
+    thread_cols = ["run", "size", "threads"] + names + ["sum", "main: per repeat"]
+    mem_keys = ["rss", "heap", "anon", "file"]
+    mem_cols = ["run", "size"] + mem_keys + ["rss growth", "heap growth", "anon growth"]
+    thread_rows, mem_rows = [], []
+    for size in sizes:
+        for run in RUNS:
+            ds = [r["detail"] for r in results[size][run] if r.get("detail")]
+            if not ds:
+                continue
+            cpu = {k: _mean(d["cpu_ms_per_step"].get(k, 0.0) for d in ds) for k in names}
+            thread_rows.append([run, size, _mean(d["threads"] for d in ds)] + [cpu[k] for k in names] +
+                               [sum(cpu.values()), ", ".join(f"{d['cpu_ms_per_step'].get('main', 0):.1f}" for d in ds)])
+            mem = {k: _mean(d["memory_mib"].get(k) for d in ds) for k in mem_keys + ["rss growth", "heap growth",
+                                                                                       "anon growth"]}
+            mem_rows.append([run, size] + [mem[k] for k in mem_keys] + [mem["rss growth"], mem["heap growth"],
+                                                                        mem["anon growth"]])
+    return thread_cols, thread_rows, mem_cols, mem_rows
 
 
 def report(name: str, sizes: list[str], results: dict, args) -> int:
@@ -498,6 +640,15 @@ def report(name: str, sizes: list[str], results: dict, args) -> int:
                 "cpu_cores": {k: _mean(r["cpu_cores"].get(k, 0.0) for r in rs)
                               for k in sorted({k for r in rs for k in r["cpu_cores"]})},
             }
+            details = [r["detail"] for r in rs if r.get("detail")]
+            agg[run]["detail"] = {
+                "cpu_ms_per_step": {k: _mean(d["cpu_ms_per_step"].get(k, 0.0) for d in details)
+                                    for k in sorted({k for d in details for k in d["cpu_ms_per_step"]})},
+                "memory_mib": {k: _mean(d["memory_mib"].get(k) for d in details)
+                               for k in sorted({k for d in details for k in d["memory_mib"]})},
+                "threads": _mean(d["threads"] for d in details),
+                "main_ms_runs": [d["cpu_ms_per_step"].get("main") for d in details],
+            } if details else None
             c = agg[run]["cpu_cores"]
             agg[run]["worker_cpu_per_step_ms"] = c.get("worker-active", 0.0) / agg[run]["steps_per_s"] / 2 * 1e3
             agg[run]["control_cores"] = sum(v for k, v in c.items() if k in ("agent", "etcd", "other"))
@@ -519,6 +670,7 @@ def report(name: str, sizes: list[str], results: dict, args) -> int:
         drains = [d for r in per["tmrun+standby"] for d in r["drains"]]
         ratios = [d["phase1_ratio"] for d in drains if d["phase1_ratio"] is not None]
         phase1 = _mean(ratios)
+        cpu_phase1 = None
 
         def tgt(what, measured, met, reason=""):
             targets.append({"size": size, "target": what, "measured": measured, "met": bool(met), "reason": reason})
@@ -562,7 +714,15 @@ def report(name: str, sizes: list[str], results: dict, args) -> int:
                           f"{train_cores or 0:.2f}, on {os.cpu_count()} cores that training fills; the survivors also "
                           "build the next group in a thread of their own, which competes for the GIL" if cpu else
                           f"per drain: {per_drain}")
-            tgt(f"{size} phase 1: survivors' step time while the next group is built <= 105% of normal",
+            cpu_ratios = [d["phase1_cpu_per_step"]["ratio"] for d in drains
+                          if (d.get("phase1_cpu_per_step") or {}).get("ratio")]
+            cpu_phase1 = _mean(cpu_ratios)
+            tgt(f"{size} phase 1: survivors' CPU time per step while the next group is built <= 105% of normal",
+                f"{cpu_phase1:.1%}" if cpu_phase1 is not None else "-",
+                cpu_phase1 is not None and cpu_phase1 <= TARGET_PHASE1,
+                "per drain: " + ", ".join(f"{x:.1%}" for x in cpu_ratios) + " (a survivor's cores in phase 1 x its "
+                "phase-1 step time, against its cores before the drain x its normal step time)")
+            tgt(f"{size} phase 1, wall clock: survivors' step time while the next group is built <= 105% of normal",
                 f"{phase1:.1%}" if phase1 is not None else "-", phase1 is not None and phase1 <= TARGET_PHASE1,
                 reason)
         for run in RUNS:
@@ -572,6 +732,7 @@ def report(name: str, sizes: list[str], results: dict, args) -> int:
             panels[f"{size} {run}"] = (r0["steps"], marks)
         doc_sizes[size] = {
             "aggregate": agg, "second_copy_ratio": second_copy, "phase1_ratio": phase1,
+            "phase1_cpu_ratio": cpu_phase1,
             "runs": {run: [{k: v for k, v in r.items() if k != "steps"} for r in per[run]] for run in RUNS},
         }
 
@@ -581,6 +742,11 @@ def report(name: str, sizes: list[str], results: dict, args) -> int:
     cpu_cols = ["run", "size", "active workers", "standby worker", "agents", "etcd", "other (ours)",
                 "not ours", "worker CPU/step (ms)"]
     common.print_table("CPU used during the window (cores)", cpu_cols, cpu_rows)
+    thread_cols, thread_rows, mem_cols, mem_rows = breakdown(sizes, results)
+    common.print_table("An active worker's CPU per step by thread (ms, mean of the workers and repeats)",
+                       thread_cols, thread_rows)
+    common.print_table("An active worker's resident memory at the window's end (MiB; growth over the window)",
+                       mem_cols, mem_rows)
     foreign = max((r[7] or 0.0) for r in cpu_rows)
     if foreign > 0.05:
         print(f"[{NAME}] warning: processes this benchmark did not start used up to {foreign:.2f} cores during a "
@@ -592,10 +758,15 @@ def report(name: str, sizes: list[str], results: dict, args) -> int:
     drain_rows = [[size, d["node"], d["swap"]["phase1_steps"], d["swap"]["phase1_step_time"],
                    d["swap"]["normal_step_time"], f"{d['phase1_ratio']:.1%}" if d["phase1_ratio"] else None,
                    d["swap"]["stall_s"], (d.get("phase1_cpu_cores") or {}).get("seconds"),
-                   (d.get("phase1_cpu_cores") or {}).get("training workers"), others(d)]
+                   (d.get("phase1_cpu_cores") or {}).get("training workers"), others(d),
+                   (d.get("phase1_cpu_per_step") or {}).get("normal_ms"),
+                   (d.get("phase1_cpu_per_step") or {}).get("phase1_ms"),
+                   f"{d['phase1_cpu_per_step']['ratio']:.1%}" if (d.get("phase1_cpu_per_step") or {}).get("ratio")
+                   else None]
                   for size in sizes for r in results[size]["tmrun+standby"] for d in r["drains"]]
     drain_cols = ["size", "drained", "phase-1 steps", "phase-1 step (s)", "normal step (s)", "ratio", "stall (s)",
-                  "phase 1 (s)", "training workers' cores in phase 1", "other cores in phase 1"]
+                  "phase 1 (s)", "training workers' cores in phase 1", "other cores in phase 1",
+                  "survivor CPU/step normal (ms)", "survivor CPU/step phase 1 (ms)", "CPU/step ratio"]
     if drain_rows:
         common.print_table("Phase 1 during drains (tmrun+standby)", drain_cols, drain_rows)
     common.print_table("Targets", ["target", "measured", "met"],
@@ -613,6 +784,11 @@ def report(name: str, sizes: list[str], results: dict, args) -> int:
     if foreign > 0.05:
         extra += (f"\n\n**Warning:** processes this benchmark did not start used up to {foreign:.2f} cores during a "
                   "window; the machine was not idle and the comparison is unreliable.")
+    extra += ("\n\nAn active worker's CPU per step by thread (ms, from /proc/<pid>/task/*/stat, mean of the "
+              "workers and repeats; main: the thread that runs the script's loop):\n\n" + md_table(thread_cols, thread_rows))
+    extra += ("\n\nAn active worker's resident memory at the window's end (MiB, from /proc/<pid>/smaps; heap: "
+              "glibc's main arena; anon: other anonymous mappings; file: mapped libraries; growth: over the "
+              "window):\n\n" + md_table(mem_cols, mem_rows))
     if drain_rows:
         extra += "\n\nDrains after the window (tmrun+standby):\n\n" + md_table(drain_cols, drain_rows)
     md = write_markdown(
