@@ -24,7 +24,9 @@ table, ``bench/results/restart_mode.json``::
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
+import signal
 import statistics
 import sys
 import time
@@ -73,8 +75,11 @@ def kill_once(args: argparse.Namespace, name: str, flags: list[str], wd: Path) -
             time.sleep(0.2)
         if common.read_log(job.step_log)[0] and max(r["step"] for r in common.read_log(job.step_log)[0]) >= args.kill_at:
             raise RuntimeError(f"step {args.kill_at} passed before the warm interpreters were ready: raise --kill-at")
+        common.wait_for_step(job.step_log, 0, args.timeout, [job.proc])
+        pid = job.node_of_rank(1)["worker_pids"][0]  # looked up now: a `tmrun status` takes steps
         common.wait_for_step(job.step_log, args.kill_at, args.timeout, [job.proc])
-        t_kill = job.kill_worker(1)
+        t_kill = time.time()
+        os.kill(pid, signal.SIGKILL)
         code = job.wait(args.timeout)
         if code != 0:
             raise RuntimeError(f"the tmrun job exited {code} (see {wd})")
