@@ -17,9 +17,10 @@ script's code sees no exception, and ``run.commit()`` returns False as for any f
 
 The hooks raise only while ``run.backward`` runs: a script that calls ``loss.backward()`` itself
 gets today's behaviour (the doomed step's backward runs to its end, its buckets are not sent).
-Modules of torch's own parallelism (``DistributedDataParallel`` on ``run.process_group``,
-``fully_shard``) are not hooked: their state between hooks is theirs, so a doomed step of theirs
-is skipped only if it is doomed before its backward starts.
+Torch's own parallelism (``DistributedDataParallel`` on ``run.process_group``, ``fully_shard``)
+keeps state between its hooks (FSDP2 reshards in them): once ``run.process_group`` or
+``run.device_mesh`` is used, ``run.backward`` is plain ``loss.backward()``, and a doomed step
+runs to its end with its collectives failing at once.
 """
 
 from __future__ import annotations

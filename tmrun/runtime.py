@@ -253,8 +253,11 @@ class Run:
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward(**kwargs)``, stopped at once when the step cannot commit any more (a
         collective of it failed, or the agent announced a failure's generation): no exception
-        reaches the script, and ``commit()`` returns False (see :mod:`tmrun.abandon`)."""
-        if not self._guard.backward(loss, **kwargs):
+        reaches the script, and ``commit()`` returns False (see :mod:`tmrun.abandon`). With torch's
+        own parallelism on ``run.process_group`` it is ``loss.backward()``: their hooks keep state."""
+        if self._native is not None:
+            loss.backward(**kwargs)
+        elif not self._guard.backward(loss, **kwargs):
             self._latch_doomed()
 
     def _ready_to_switch(self) -> bool:
