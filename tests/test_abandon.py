@@ -123,3 +123,20 @@ def test_a_failures_prepare_stops_the_backward_and_the_redone_step_is_bit_identi
     assert len(switched) == 1 and switched[0]["gen"] == 2 and switched[0]["step"] == 2
     assert 0 < switched[0]["group_build"] and switched[0]["gloo_connect"] >= 0 and switched[0]["store_connect"] > 0
     assert_same_weights(tmp_path / "w.pt", tmp_path / "ref.pt")
+
+
+@pytest.mark.timeout(30)
+def test_a_doomed_step_yields_no_more_shares_and_commits_without_a_vote():
+    """Doomed by a failure's generation while no collective failed (the old group still answers):
+    commit() says no without voting, and run.shares() stops."""
+    from tmrun.groups import SandboxGroup
+    from tmrun.runtime import Identity, Run
+
+    run = Run(Identity(0, 2, 0, "active", generation=1), SandboxGroup(0, 2))
+    assert [share.index for share in run.shares(4)] == [0, 1]
+    assert run.commit() is True  # the sandbox answers the vote
+    run._doomed_gen = 2
+    assert list(run.shares(4)) == []
+    before = run.group.answered
+    assert run.commit() is False and run.group.answered == before  # no vote sent
+    assert "generation 2 replaces generation 1" in str(run.step_error)
