@@ -212,6 +212,7 @@ class Leader:
                 log.info("decision %s: %s", decision.action.value, decision.reason)
                 last_reason = decision.reason
             if decision.action is Action.WAIT:
+                self._make_spare()  # now, not beside the plan's write: making a store holds the GIL for ms
                 timeout = None if decision.until is None else max(0.0, decision.until - self._clock())
                 await mirror.wait(seen, timeout)
                 continue
@@ -313,8 +314,8 @@ class Leader:
     async def _new_tcp_store(self) -> int:
         """Host a fresh TCPStore for the new generation; keep the last few alive.
 
-        The store comes from a spare made beforehand (when this agent became leader, and after
-        each use), so that a decision waits neither for torch's import (seconds; see
+        The store comes from a spare made beforehand (when this agent became leader, and when it
+        next waits after using one), so that a decision waits neither for torch's import (seconds; see
         :func:`warm_torch`) nor for the store's start. Without a spare, or if making it failed,
         one is made now, in a thread so that the event loop keeps the lease alive meanwhile.
         """
@@ -327,8 +328,7 @@ class Leader:
                 log.warning("%s: the spare TCPStore could not be made (%s); making one now", self._cfg.node, exc)
         if store is None:
             store = await asyncio.to_thread(_tcp_store_server, self._cfg.host)
-        self._tcp_stores.append(store)
-        self._make_spare()
+        self._tcp_stores.append(store)  # the next spare is made once the leader waits (see _lead)
         return store.port
 
     def _make_spare(self) -> None:
