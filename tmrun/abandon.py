@@ -15,6 +15,12 @@ script's code sees no exception, and ``run.commit()`` returns False as for any f
         opt.step()
     opt.zero_grad()
 
+A step doomed during its forward finishes that forward *hollow*: a pre-hook on each submodule
+of those modules sees the doom and enters :class:`Hollow`, a dispatch mode in which every
+functional operator answers zeros of the shape, dtype and strides it would have produced
+(computed on the meta device), until the forward returns. The script gets outputs of the right
+shapes to compute its loss on, and ``run.backward`` then skips the backward.
+
 The hooks raise only while ``run.backward`` runs: a script that calls ``loss.backward()`` itself
 gets today's behaviour (the doomed step's backward runs to its end, its buckets are not sent).
 Torch's own parallelism (``DistributedDataParallel`` on ``run.process_group``, ``fully_shard``)
@@ -29,6 +35,8 @@ import logging
 from typing import Any, Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 
 log = logging.getLogger("tmrun.abandon")
 
@@ -41,6 +49,31 @@ class Abandoned(BaseException):
     """
 
 
+def _meta(value: Any) -> Any:
+    return value.to("meta") if isinstance(value, torch.Tensor) else value
+
+
+class Hollow(TorchDispatchMode):
+    """Operators answer zeros of the right shape instead of computing (the rest of a doomed forward).
+
+    Operators that mutate or alias their inputs run for real (they are cheap, and their outputs
+    must be the tensors they name); so does one the meta device cannot run.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
+        kwargs = kwargs or {}
+        schema = func._schema
+        if schema.is_mutable or any(ret.alias_info is not None for ret in schema.returns):
+            return func(*args, **kwargs)
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        try:
+            shaped = func(*tree_map(_meta, args), **tree_map(_meta, kwargs))
+        except Exception:  # noqa: BLE001 - no meta kernel: compute it
+            return func(*args, **kwargs)
+        return tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device).as_strided(t.shape, t.stride())
+                        if isinstance(t, torch.Tensor) else t, shaped)
+
+
 class StepGuard:
     """The hooks that stop a doomed step's backward, and what to reset after they did."""
 
@@ -49,6 +82,7 @@ class StepGuard:
         self._armed = False
         self._modules: list[torch.nn.Module] = []  # DDP modules whose reducer a stopped backward leaves mid-step
         self._hooked: set[int] = set()  # ids of the parameters that carry the hook
+        self._hollow: Hollow | None = None  # entered while the rest of a doomed forward runs
         self.abandoned = 0  # backwards stopped (or skipped) because their step was doomed
 
     def watch(self, module: torch.nn.Module) -> None:
@@ -59,6 +93,20 @@ class StepGuard:
                 self._hooked.add(id(param))
         if hasattr(module, "reducer"):
             self._modules.append(module)
+        for sub in module.modules():
+            if sub is not module:
+                sub.register_forward_pre_hook(self._forward_check)
+        module.register_forward_hook(self._forward_done, always_call=True)
+
+    def _forward_check(self, module: torch.nn.Module, args: Any) -> None:
+        if self._hollow is None and self._doomed():
+            self._hollow = Hollow()
+            self._hollow.__enter__()
+
+    def _forward_done(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        hollow, self._hollow = self._hollow, None
+        if hollow is not None:
+            hollow.__exit__(None, None, None)
 
     def _check(self, grad: torch.Tensor) -> None:
         if self._armed and self._doomed():

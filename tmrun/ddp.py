@@ -6,7 +6,8 @@ a communication hook that all-reduces over ``run.group``, whichever group is cur
 gloo group, or the standby's sandbox). A failed all-reduce is latched on the run as a failed
 group (the step's later buckets and its vote are not sent on it) and the bucket is returned
 unreduced, so ``backward()`` never raises into the user's code; ``commit()`` then votes the
-step down.
+step down. A step doomed by a failure's generation sends no more buckets either, and
+``run.backward`` stops its backward (:mod:`tmrun.abandon`).
 """
 
 import inspect
@@ -31,8 +32,8 @@ def data_parallel(run, module: torch.nn.Module, **ddp_kwargs: Any) -> Distribute
 
 def _allreduce_hook(run, bucket) -> torch.futures.Future[torch.Tensor]:  # DDP checks this annotation
     buffer = bucket.buffer()
-    if run.group_failed:
-        return completed(buffer)  # this step is already lost: don't touch a broken group again
+    if run._doomed():
+        return completed(buffer)  # this step is already lost: don't touch its group again
     try:
         future = run.group.all_reduce(buffer, "mean")
     except RuntimeError as exc:

@@ -688,8 +688,10 @@ class Run:
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce across ranks (in place); on failure the error is latched and the input returned
-        (also, without communicating, once a collective of this step has failed)."""
-        if self._group_failed:
+        (also, without communicating, once the step is doomed: a collective of it failed, or a
+        failure's generation was announced)."""
+        if self._doomed():
+            self._latch_doomed()
             return tensor
         try:
             return self.group.all_reduce(tensor, op).wait()
@@ -698,7 +700,8 @@ class Run:
             return tensor
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        if self._group_failed:
+        if self._doomed():
+            self._latch_doomed()
             return tensor
         try:
             return self.group.broadcast(tensor, src).wait()
