@@ -60,15 +60,11 @@ import threading
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-for _path in (str(HERE), str(HERE.parent)):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
-
-import common  # noqa: E402
-from competitors import torchrun_job  # noqa: E402
-
+if not __package__:  # `python bench/X.py`: the repo root, not bench/, on sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 from agent import procfs  # noqa: E402
+from bench import common  # noqa: E402
+from bench.competitors import torchrun_job  # noqa: E402
 
 NAME = "steady_state"
 RUNS = ("torchrun+DDP", "tmrun", "tmrun+standby")
@@ -80,13 +76,6 @@ DEFAULT_MEASURE = {"5M": 200, "50M": 40}  # window lengths (steps), about a minu
 
 # ------------------------------------------------------------------------------ small helpers
 # (candidates for common.py: the other benchmarks have the same needs)
-
-class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors."""
-
-    def error(self, message: str) -> None:  # noqa: D102
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
 
 def size_label(text: str) -> str:
     """``5M``, ``50m``, ``500k``, ``1e6`` -> a label train_gpt.py's --params accepts."""
@@ -376,15 +365,10 @@ def window_stats(steps: list[dict], first: int, last: int) -> dict:
             "rel_stderr": statistics.stdev(gaps) / statistics.mean(gaps) / len(gaps) ** 0.5}
 
 
-def md_table(columns, rows) -> str:
-    return "\n".join(["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"] +
-                     ["| " + " | ".join(common._fmt(v).replace("|", "\\|") for v in row) + " |" for row in rows])
-
-
 def write_markdown(name: str, heading: str, intro: str, columns, rows, targets: list[dict],
                    images: list[tuple[str, str]], extra: str = "") -> Path:
     """``bench/results/<name>.md``: a section for docs/benchmarks.md (images relative to docs/)."""
-    lines = [f"## {heading}", "", intro, "", "```", common.command_line(), "```", "", md_table(columns, rows)]
+    lines = [f"## {heading}", "", intro, "", "```", common.command_line(), "```", "", common.md_table(columns, rows)]
     lines += ["", extra, ""] if extra else [""]
     lines += ["| target | measured | met |", "|---|---|---|"]
     lines += [f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else 'no'}"
@@ -552,9 +536,9 @@ def _cpu_per_step(commits: list[tuple[int, float]], samples, pids: list[int], st
 # ------------------------------------------------------------------------------ report
 
 def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog="bench/steady_state.py", description=__doc__.splitlines()[0],
-               epilog="The runs share the machine's cores: run nothing else meanwhile (on a shared machine: "
-                      "flock /tmp/tmrun-bench.lock python bench/steady_state.py ...).")
+    p = common.Parser(prog="bench/steady_state.py", description=__doc__.splitlines()[0],
+                      epilog="The runs share the machine's cores: run nothing else meanwhile (on a shared machine: "
+                             "flock /tmp/tmrun-bench.lock python bench/steady_state.py ...).")
     p.add_argument("--sizes", type=size_list, default=None, help="model sizes, comma-separated (default 5M)")
     p.add_argument("--size", type=size_label, default=None, help="one model size (same as --sizes SIZE)")
     p.add_argument("--warmup", type=positive, default=20, help="committed steps before the window (default 20)")
@@ -803,17 +787,17 @@ def report(name: str, sizes: list[str], results: dict, args) -> int:
                         "tmrun_conf": common.TMRUN_CONF},
            "plot": str(png.relative_to(common.REPO))}
     path = common.save(name, doc)
-    extra = "CPU used during the window (cores, from /proc/<pid>/stat):\n\n" + md_table(cpu_cols, cpu_rows)
+    extra = "CPU used during the window (cores, from /proc/<pid>/stat):\n\n" + common.md_table(cpu_cols, cpu_rows)
     if foreign > 0.05:
         extra += (f"\n\n**Warning:** processes this benchmark did not start used up to {foreign:.2f} cores during a "
                   "window; the machine was not idle and the comparison is unreliable.")
     extra += ("\n\nAn active worker's CPU per step by thread (ms, from /proc/<pid>/task/*/stat, mean of the "
-              "workers and repeats; main: the thread that runs the script's loop):\n\n" + md_table(thread_cols, thread_rows))
+              "workers and repeats; main: the thread that runs the script's loop):\n\n" + common.md_table(thread_cols, thread_rows))
     extra += ("\n\nAn active worker's resident memory at the window's end (MiB, from /proc/<pid>/smaps; heap: "
               "glibc's main arena; anon: other anonymous mappings; file: mapped libraries; growth: over the "
-              "window):\n\n" + md_table(mem_cols, mem_rows))
+              "window):\n\n" + common.md_table(mem_cols, mem_rows))
     if drain_rows:
-        extra += "\n\nDrains after the window (tmrun+standby):\n\n" + md_table(drain_cols, drain_rows)
+        extra += "\n\nDrains after the window (tmrun+standby):\n\n" + common.md_table(drain_cols, drain_rows)
     md = write_markdown(
         name, "Steady-state overhead",
         f"The same GPT, 2 nodes x 1 worker, {args.threads} thread(s) each, no interruptions: torchrun + plain DDP "
