@@ -243,6 +243,8 @@ class _Client(aetcd.Client):
         await self.connect()
         async with self._lease_lock:
             try:
+                if self._lease_stream is not None and self._lease_stream.done():  # ended while idle (etcd went away)
+                    self._drop_lease_stream()
                 if self._lease_stream is None:
                     self._lease_stream = self.leasestub.LeaseKeepAlive(metadata=self.metadata)
                 await asyncio.wait_for(self._lease_stream.write(rpc.LeaseKeepAliveRequest(ID=lease)), self._timeout)
@@ -250,6 +252,9 @@ class _Client(aetcd.Client):
             except asyncio.TimeoutError:
                 self._drop_lease_stream()
                 raise aetcd.ConnectionTimeoutError("no answer to a lease keepalive in time") from None
+            except asyncio.InvalidStateError as exc:  # gRPC's word for a write on a call that ended
+                self._drop_lease_stream()
+                raise aetcd.ConnectionFailedError(f"the lease keepalive stream ended: {exc}") from None
             except BaseException:
                 self._drop_lease_stream()
                 raise

@@ -61,3 +61,24 @@ def test_a_lease_kept_alive_many_times_then_revoked_reads_as_gone(make) -> None:
         assert await store.refresh_lease(other) > 0
 
     run(make, body)
+
+
+def test_a_keepalive_stream_that_ended_between_refreshes_is_opened_again(etcd_server) -> None:
+    """etcd restarted between two refreshes ends the idle stream; the next refresh must not fail
+    on it (gRPC raises InvalidStateError for a write on an ended call: it killed the agents)."""
+    async def body() -> None:
+        store = EtcdStore(parse_endpoint(etcd_server.endpoint), retry_deadline=5.0)
+        try:
+            lease = await store.grant_lease(10)
+            assert await store.refresh_lease(lease) > 0
+            client = next(iter(store._clients.values()))
+            client._lease_stream.cancel()  # as when the connection drops while the stream is idle
+            await asyncio.sleep(0.1)
+            assert await store.refresh_lease(lease) > 0
+            client._lease_stream.cancel()
+            await asyncio.sleep(0.1)
+            assert await store.refresh_lease(lease) > 0
+        finally:
+            await store.close()
+
+    asyncio.run(asyncio.wait_for(body(), 15))
