@@ -43,13 +43,10 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-for _path in (str(HERE), str(HERE.parent)):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
-
-import common  # noqa: E402
+if not __package__:  # `python bench/X.py`: the repo root, not bench/, on sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 from agent import procfs  # noqa: E402
+from bench import common  # noqa: E402
 
 NAME = "control_plane"
 TARGET_PHASE1_S = 0.050
@@ -83,13 +80,6 @@ DRAIN_PATH = [
 # ------------------------------------------------------------------------------ small helpers
 # (candidates for common.py, shared with steady_state.py and transfer_limit.py)
 
-class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors."""
-
-    def error(self, message: str) -> None:  # noqa: D102
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def count(minimum: int):
     def parse(text: str) -> int:
         try:
@@ -102,17 +92,12 @@ def count(minimum: int):
     return parse
 
 
-def md_table(columns, rows) -> str:
-    return "\n".join(["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"] +
-                     ["| " + " | ".join(common._fmt(v).replace("|", "\\|") for v in row) + " |" for row in rows])
-
-
 def write_markdown(name: str, heading: str, intro: str, tables: list[tuple[str, list, list]], targets: list[dict],
                    images: list[tuple[str, str]]) -> Path:
     """``bench/results/<name>.md``: a section for docs/benchmarks.md (images relative to docs/)."""
     lines = [f"## {heading}", "", intro, "", "```", common.command_line(), "```", ""]
     for caption, columns, rows in tables:
-        lines += ([caption, ""] if caption else []) + [md_table(columns, rows), ""]
+        lines += ([caption, ""] if caption else []) + [common.md_table(columns, rows), ""]
     lines += ["| target | measured | met |", "|---|---|---|"]
     lines += [f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else 'no'}"
               f"{': ' + t['reason'] if t.get('reason') and not t['met'] else ''} |" for t in targets]
@@ -194,21 +179,6 @@ def cpu_between(before: dict, after: dict) -> dict:
     cores["outside"] = outside / CLK_TCK / seconds
     return {"seconds": round(seconds, 1), "cores": {k: round(x, 4) for k, x in sorted(cores.items())},
             "on_cpu_per_s": runs}
-
-
-def etcd_pid(root: int) -> int | None:
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    argv0 = f.read().split(b"\0")[0]
-            except (OSError, IndexError, ValueError):
-                continue
-            if ppid == root and os.path.basename(argv0) == b"etcd":
-                return int(entry)
-    return None
 
 
 def ms(seconds: float | None) -> float | None:
@@ -321,7 +291,7 @@ def drain_once(job: common.TmrunJob, args, known: int, profile_dir: Path | None,
     node = pick_node(status)["node"]
     agents = {n["node"]: n["agent_pid"] for n in status["nodes"] if n["role"] in ("active", "standby")}
     profiler = Profiler(agents, profile_dir, f"drain{k + 1}") if profile_dir is not None else None
-    watched = {**{f"agent {name}": pid for name, pid in agents.items()}, "etcd": etcd_pid(job.proc.pid)}
+    watched = {**{f"agent {name}": pid for name, pid in agents.items()}, "etcd": common.etcd_pid(job.proc.pid)}
     before = {name: sched_ns(pid) for name, pid in watched.items() if pid}
     t0, t1, _ = job.drain(node, rejoin=True)
     after = {name: sched_ns(pid) for name, pid in watched.items() if pid}
@@ -463,9 +433,9 @@ def plot(name: str, drains: list[dict], kills: list[dict]) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog="bench/control_plane.py", description=__doc__.splitlines()[0],
-               epilog="Run nothing else on the machine meanwhile (on a shared machine: "
-                      "flock /tmp/tmrun-bench.lock python bench/control_plane.py ...).")
+    p = common.Parser(prog="bench/control_plane.py", description=__doc__.splitlines()[0],
+                      epilog="Run nothing else on the machine meanwhile (on a shared machine: "
+                             "flock /tmp/tmrun-bench.lock python bench/control_plane.py ...).")
     p.add_argument("--params", default="1M", help="model size of the running job (default 1M)")
     p.add_argument("--drains", type=count(1), default=5, help="drains with --rejoin (default 5)")
     p.add_argument("--kills", type=count(0), default=2, help="kill -9 of a worker, one standby each (default 2)")

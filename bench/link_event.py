@@ -30,13 +30,10 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-for _path in (str(HERE), str(HERE.parent)):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
-
-import common  # noqa: E402
-from control_plane import write_markdown  # noqa: E402
+if not __package__:  # `python bench/X.py`: the repo root, not bench/, on sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+from bench import common  # noqa: E402
+from bench.control_plane import write_markdown  # noqa: E402
 
 from tests.harness import FAST, wait_events, wait_status  # noqa: E402
 
