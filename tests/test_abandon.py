@@ -74,6 +74,25 @@ class FakeAgent:
         self._server.close()
 
 
+def prepared_mid_step(tmp_path: Path, steps: int, *wait: str) -> tuple[list[dict], list[dict], str]:
+    """A one-rank job and its uninterrupted reference: once the job says it waits (``wait``: the
+    flag and STEP:LAYER), the fake agent sends a failure's prepare of generation 2. The job's tries,
+    what it told the agent, and its stderr."""
+    reference = worker(0, 1, free_port(), tmp_path / "ref.pt", "--steps", str(steps))
+    finish(reference, Output(reference.stdout))
+    sock = tmp_path / "agent.sock"
+    agent = FakeAgent(sock)
+    port = free_port()
+    proc = worker(0, 1, port, tmp_path / "w.pt", "--steps", str(steps), *wait, agent=str(sock))
+    out = Output(proc.stdout)
+    out.wait_for("IN_BACKWARD|IN_FORWARD", 120)
+    agent.send("prepare", gen=2, rank=0, world_size=1, store_host="127.0.0.1", store_port=port, mode="now",
+               handover=False)
+    err = finish(proc, out)
+    agent.close()
+    return tries(out), agent.messages, err
+
+
 @pytest.mark.timeout(240)
 def test_a_peer_killed_mid_backward_stops_the_survivors_backward(tmp_path):
     """Rank 1 dies after 4 of its 48 layers' gradients: rank 0's backward stops soon after (its
@@ -98,29 +117,15 @@ def test_a_failures_prepare_stops_the_backward_and_the_redone_step_is_bit_identi
     """A prepare of generation 2 (mode ``now``) arrives while step 2's backward is at layer 5: the
     next layer's hook stops it, the group of generation 2 was built from the arrival, and the job
     goes on there with the weights of a run that never saw the prepare."""
-    reference = worker(0, 1, free_port(), tmp_path / "ref.pt", "--steps", "5")
-    ref_out = Output(reference.stdout)
-    finish(reference, ref_out)
-
-    sock = tmp_path / "agent.sock"
-    agent = FakeAgent(sock)
-    port = free_port()
-    proc = worker(0, 1, port, tmp_path / "w.pt", "--steps", "5", "--wait-at", "2:5", agent=str(sock))
-    out = Output(proc.stdout)
-    out.wait_for("IN_BACKWARD", 120)
-    agent.send("prepare", gen=2, rank=0, world_size=1, store_host="127.0.0.1", store_port=port, mode="now",
-               handover=False)
-    err = finish(proc, out)
-    agent.close()
+    by_try, messages, err = prepared_mid_step(tmp_path, 5, "--wait-at", "2:5")
     assert "Traceback" not in err, err
-    by_try = tries(out)
     doomed = [t for t in by_try if not t["committed"]]
     assert len(doomed) == 1 and doomed[0]["step"] == 2 and doomed[0]["layers"] == 5 and doomed[0]["gen"] == 1
     assert [t["step"] for t in by_try if t["committed"]] == [0, 1, 2, 3, 4]
     assert [t["gen"] for t in by_try if t["committed"]] == [1, 1, 2, 2, 2]
-    kinds = [m["type"] for m in agent.messages]
+    kinds = [m["type"] for m in messages]
     assert "broken" in kinds and "ready" in kinds, kinds
-    switched = [m for m in agent.messages if m["type"] == "switched"]
+    switched = [m for m in messages if m["type"] == "switched"]
     assert len(switched) == 1 and switched[0]["gen"] == 2 and switched[0]["step"] == 2
     assert 0 < switched[0]["group_build"] and switched[0]["gloo_connect"] >= 0 and switched[0]["store_connect"] > 0
     assert_same_weights(tmp_path / "w.pt", tmp_path / "ref.pt")
@@ -148,19 +153,7 @@ def test_a_failures_prepare_during_the_forward_hollows_the_rest_of_it(tmp_path):
     """The prepare arrives before layer 3 of 24 in step 1's forward: the rest of the forward answers
     zeros (no computation), no gradient is computed, and the job goes on in generation 2 with the
     weights of a run that never saw the prepare."""
-    reference = worker(0, 1, free_port(), tmp_path / "ref.pt", "--steps", "3")
-    finish(reference, Output(reference.stdout))
-    sock = tmp_path / "agent.sock"
-    agent = FakeAgent(sock)
-    port = free_port()
-    proc = worker(0, 1, port, tmp_path / "w.pt", "--steps", "3", "--wait-in-forward", "1:3", agent=str(sock))
-    out = Output(proc.stdout)
-    out.wait_for("IN_FORWARD", 120)
-    agent.send("prepare", gen=2, rank=0, world_size=1, store_host="127.0.0.1", store_port=port, mode="now",
-               handover=False)
-    finish(proc, out)
-    agent.close()
-    by_try = tries(out)
+    by_try, _, _ = prepared_mid_step(tmp_path, 3, "--wait-in-forward", "1:3")
     doomed = [t for t in by_try if not t["committed"]]
     assert len(doomed) == 1 and doomed[0]["step"] == 1 and doomed[0]["hollow"] and doomed[0]["layers"] == 0
     assert not any(t["hollow"] for t in by_try if t["committed"])
