@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 log = logging.getLogger("tmrun.abandon")
 
@@ -57,7 +57,8 @@ class Hollow(TorchDispatchMode):
     """Operators answer zeros of the right shape instead of computing (the rest of a doomed forward).
 
     Operators that mutate or alias their inputs run for real (they are cheap, and their outputs
-    must be the tensors they name); so does one the meta device cannot run.
+    must be the tensors they name); so do factories (no tensor argument: their device is theirs)
+    and any operator the meta device cannot run.
     """
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
@@ -65,7 +66,10 @@ class Hollow(TorchDispatchMode):
         schema = func._schema
         if schema.is_mutable or any(ret.alias_info is not None for ret in schema.returns):
             return func(*args, **kwargs)
-        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        devices = [t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if not devices:  # a factory (arange, zeros): cheap, and its device is in its arguments
+            return func(*args, **kwargs)
+        device = next((d for d in devices if d.type != "cpu"), devices[0])  # past a CPU scalar beside a GPU tensor
         try:
             shaped = func(*tree_map(_meta, args), **tree_map(_meta, kwargs))
         except Exception:  # noqa: BLE001 - no meta kernel: compute it

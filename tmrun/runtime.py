@@ -219,7 +219,7 @@ class Run:
         The same vote carries "I am ready for the next generation": when every rank is, all of
         them switch after this step (phase 2 of a planned swap), without any extra round trip.
         """
-        if self._doomed():  # see latch(): no vote on a group that failed in this step
+        if self._doomed():  # see latch(): no vote on a group that failed or is being replaced
             self._latch_doomed()
             self._switch = False
             self._voted = False
