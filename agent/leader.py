@@ -187,7 +187,9 @@ class Leader:
             entries = mirror.snapshot()
             leader = entries.get(self._keys.leader)
             if leader is None or leader.value.get("node") != self._cfg.node:
-                log.warning("%s is no longer the leader", self._cfg.node)
+                ended = self._keys.outcome in entries  # agents leaving an ended job give up their keys: expected
+                log.log(logging.INFO if ended else logging.WARNING, "%s is no longer the leader%s", self._cfg.node,
+                        " (the job has ended)" if ended else "")
                 return
             cluster, plan_entry = read_cluster(self._keys, entries, self._parsed, mirror.changed_at)
             cluster = dataclasses.replace(cluster, leader=self._cfg.node)  # it hosts the next generation's store
