@@ -44,6 +44,7 @@ from tmrun.abandon import StepGuard
 from tmrun.channel import AgentChannel
 from tmrun.early_build import EarlyBuilds
 from tmrun.groups import Group, RealGroup, SandboxGroup
+from tmrun.heap import HeapTrim
 from tmrun.native import NativeGroups, NativeResize
 from tmrun.phases import Phase, Phases
 from tmrun.redundancy import Redundancy
@@ -91,7 +92,7 @@ class Run:
 
     def __init__(self, identity: Identity, group: Group, *, channel: AgentChannel | None = None,
                  max_retries: int = 3, warmup: int = 3, group_timeout: float = 120.0,
-                 recover_timeout: float = 300.0, redundancy: int = 0) -> None:
+                 recover_timeout: float = 300.0, redundancy: int = 0, heap: HeapTrim | None = None) -> None:
         self.identity = identity
         self.group = group
         self.channel = channel
@@ -123,6 +124,7 @@ class Run:
         self._native: NativeGroups | None = None  # run.process_group and run.device_mesh, once asked for
         # --redundancy: snapshots every ``redundancy`` steps, a neighbour's shards kept (tmrun/redundancy.py)
         self._redundancy = Redundancy(redundancy, group_timeout) if redundancy > 0 else None
+        self.heap = heap if heap is not None else HeapTrim(0)  # malloc_trim every N committed steps
         # a failure's generation announced (reader thread): the steps of older generations are doomed
         self._doomed_gen = 0
         self._guard = StepGuard(self._doomed)
@@ -307,6 +309,7 @@ class Run:
             tries = 0
             self.step += 1
             self._snapshot_if_due()
+            self.heap.after_step(self.step)
             self._step_times.append((time.monotonic() - started, self.phase is Phase.PREPARING))
             self._report_progress(time.monotonic() - started)
             if self._switch:
@@ -766,16 +769,17 @@ def init(*, timeout: float = 60.0, env: Mapping[str, str] | None = None) -> Run:
     identity = Identity.from_env(env)
     collective = float(env.get("TMRUN_COLLECTIVE_TIMEOUT", "120"))
     redundancy = int(env.get("TMRUN_REDUNDANCY_EVERY", "0")) if env.get("TMRUN_REDUNDANCY", "0") == "1" else 0
+    heap = HeapTrim.from_env(env)
     channel = None
     if env.get("TMRUN_AGENT_SOCKET") and identity.role != "single":
         channel = AgentChannel(env["TMRUN_AGENT_SOCKET"])
         channel.send("hello", rank=identity.rank, pid=os.getpid(), role=identity.role)
     if identity.role == "single":
-        return Run(identity, SandboxGroup(0, 1))
+        return Run(identity, SandboxGroup(0, 1), heap=heap)
     if identity.role == "standby":  # not in any generation until promoted
         identity = dataclasses.replace(identity, generation=0)
         return Run(identity, SandboxGroup(identity.rank, identity.world_size), channel=channel,
-                   group_timeout=collective, redundancy=redundancy)
+                   group_timeout=collective, redundancy=redundancy, heap=heap)
     delta = datetime.timedelta(seconds=timeout)
     is_master = identity.rank == 0 and not identity.agent_store
     store = dist.TCPStore(identity.master_addr, identity.master_port, identity.world_size, is_master,
@@ -786,7 +790,7 @@ def init(*, timeout: float = 60.0, env: Mapping[str, str] | None = None) -> Run:
         round_id = torchrun_round.agree(store, identity.rank, identity.world_size, timeout=timeout)
         prefix = dist.PrefixStore(f"tmrun/run{round_id}", store)
     group = RealGroup(prefix, identity.rank, identity.world_size, datetime.timedelta(seconds=collective))
-    return Run(identity, group, channel=channel, group_timeout=collective, redundancy=redundancy)
+    return Run(identity, group, channel=channel, group_timeout=collective, redundancy=redundancy, heap=heap)
 
 
 __all__ = ["init", "Run", "StepFailed", "Identity", "Share"]
