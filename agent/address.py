@@ -93,3 +93,8 @@ def _is_ip(text: str) -> bool:
         return True
     except ValueError:
         return False
+
+
+def format_endpoint(host: str, port: int) -> str:
+    """``host:port``, with brackets around an IPv6 address."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -44,6 +44,7 @@ import grpc  # noqa: E402
 import tenacity
 from aetcd import rpc  # noqa: E402
 
+from agent.address import format_endpoint
 from agent.errors import ConfigError, LeaseNotFound, StoreCompacted, StoreError, StoreUnavailable
 from agent.skipped import decode_key, decode_value
 from agent.store import Entry, Event, Store, Watch
@@ -133,11 +134,6 @@ class Login:
 # -- endpoints ---------------------------------------------------------------------------------
 
 _HOST_PORT = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.%\w]+)\]|(?P<host>[A-Za-z0-9._-]+)):(?P<port>\d+)$")
-
-
-def format_endpoint(host: str, port: int) -> str:
-    """``host:port``, with brackets around an IPv6 address."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def parse_endpoint(text: str) -> list[tuple[str, int]]:

@@ -24,6 +24,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from agent.address import format_endpoint
+
 
 @dataclasses.dataclass(frozen=True)
 class Snapshot:
@@ -96,7 +98,7 @@ class MetricsServer:
 
     @property
     def address(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+        return format_endpoint(self.host, self.port)
 
     def close(self) -> None:
         self._server.shutdown()
