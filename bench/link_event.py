@@ -59,10 +59,15 @@ def cycle(slurm, job_id: int, ref, index: int) -> dict:
         restored_at = time.time()
     plan = next(r for r in rows if r["kind"] == "link" and r["gen"] > gen)
     swap = next(r for r in rows if r["kind"] == "swap" and r["gen"] > gen)["data"]
-    wait_status(ref, lambda d: any(n["node"] == victim and n["role"] == "standby" and n["state"] == "shadow"
+    # which end left: the rank-2 end as a rule, the other one when the rank-2 end leads (the leader
+    # hosts the next generation's store, so it never leaves for a cut link)
+    after = wait_status(ref, lambda d: d["generation"] > gen, 60)
+    active = {n["node"] for n in after["nodes"] if n["role"] == "active"}
+    left = victim if victim not in active else keep
+    wait_status(ref, lambda d: any(n["node"] == left and n["role"] == "standby" and n["state"] == "shadow"
                                    for n in d["nodes"]), 180)
     back_s = time.time() - restored_at
-    return {"cycle": index + 1, "cut": f"{keep} ↔ {victim}", "text": plan["text"], "etcd_members": etcd,
+    return {"cycle": index + 1, "cut": f"{keep} ↔ {victim}", "left": left, "text": plan["text"], "etcd_members": etcd,
             "etcd_link_cut": keep in etcd and victim in etcd,
             "noticed_s": round(plan["at"] - cut_at, 3), "decision_ms": plan["data"].get("decision_ms"),
             "stall_s": swap.get("stall_s"), "back_s": round(back_s, 2)}
@@ -99,9 +104,9 @@ def main() -> None:
         slurm.wait_job(job_id, 120)
     finally:
         slurm.down()
-    columns = ["cycle", "link cut", "etcd members", "noticed and planned (s)", "leader decision (ms)",
+    columns = ["cycle", "link cut", "left", "etcd members", "noticed and planned (s)", "leader decision (ms)",
                "survivors' stall (s)", "back as a standby (s)"]
-    table = [[r["cycle"], r["cut"], " ".join(r["etcd_members"]) + (" (a raft link cut)" if r["etcd_link_cut"] else ""),
+    table = [[r["cycle"], r["cut"], r["left"], " ".join(r["etcd_members"]) + (" (a raft link cut)" if r["etcd_link_cut"] else ""),
               r["noticed_s"], r["decision_ms"], r["stall_s"], r["back_s"]] for r in rows]
     common.print_table("Link events on the SLURM lab", columns, table)
     decisions = [r["decision_ms"] for r in rows if r["decision_ms"] is not None]
@@ -113,8 +118,8 @@ def main() -> None:
     common.save(NAME, {"rows": rows, "targets": targets})
     intro = ("One `srun tmrun --nnodes 3 --standby 1` job on the SLURM lab (`runtime_job.py`, 0.1 s steps, "
              "`collective_timeout=5`); each cycle cuts the link between the nodes of ranks 1 and 2 both ways "
-             "with `tc`, waits for the job to reconfigure, restores the link and waits for the node to be a "
-             "standby again.")
+             "with `tc`, waits for the job to reconfigure, restores the link and waits for the node that left "
+             "to be a standby again.")
     write_markdown(NAME, "Link events: a cut link, one end out, the node back", intro, [("", columns, table)],
                    targets, [])
 
