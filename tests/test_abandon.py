@@ -159,3 +159,31 @@ def test_a_failures_prepare_during_the_forward_hollows_the_rest_of_it(tmp_path):
     assert not any(t["hollow"] for t in by_try if t["committed"])
     assert [(t["step"], t["gen"]) for t in by_try if t["committed"]] == [(0, 1), (1, 2), (2, 2)]
     assert_same_weights(tmp_path / "w.pt", tmp_path / "ref.pt")
+
+
+def test_a_hollow_forward_answers_the_shapes_of_the_real_one_and_reuses_them():
+    """Hollow's zeros have the real outputs' shapes, strides and dtypes, computed once per operator
+    and signature: the second block of the same shapes, and a second hollow forward, compute none."""
+    import torch
+
+    from tmrun.abandon import Hollow
+
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Linear(16, 64), torch.nn.GELU(),
+                                torch.nn.Linear(64, 16))
+    x = torch.randn(3, 5, 16)
+    real = block(block(x))
+    cache: dict = {}
+    with Hollow(cache):
+        first = block(x)
+        after_one = len(cache)
+        hollow = block(first)
+    assert len(cache) == after_one > 0  # the second block hit the cache for every operator
+    assert (hollow.shape, hollow.stride(), hollow.dtype) == (real.shape, real.stride(), real.dtype)
+    assert not hollow.any()
+    with Hollow(cache):
+        again = block(block(x))
+    assert len(cache) == after_one and (again.shape, again.stride()) == (real.shape, real.stride())
+    with Hollow(cache):  # another shape is another signature
+        other = block(torch.randn(2, 16))
+    assert other.shape == (2, 16) and len(cache) > after_one
