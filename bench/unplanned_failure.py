@@ -288,7 +288,10 @@ def run_torchft(size: str, args, wd: Path) -> dict:
     # a step is at full size once a record of it has every replica taking part
     full_steps = {r["step"] for r in raw if r["participants"] >= replicas and r["t"] > t_kill}
     out = recovery(steps, t_kill, lambda r: r["step"] in full_steps)
-    first_full = min((r["t"] for r in raw if r["t"] > t_kill and r["participants"] >= replicas), default=None)
+    # a step the survivor had begun with both replicas may still be written at full size just after
+    # the kill (its all-reduce was done): full size counts from the first step at reduced size, if any
+    reduced = min((r["t"] for r in raw if r["t"] > t_kill and r["participants"] < replicas), default=t_kill)
+    first_full = min((r["t"] for r in raw if r["t"] > reduced and r["participants"] >= replicas), default=None)
     if first_full is not None:  # the earliest record at full size, whichever replica wrote it
         out["full_size_s"] = round(first_full - t_kill, 3)
     summary = torchft_job.summarize(raw, t_kill, 1, replicas)
