@@ -187,3 +187,89 @@ def test_a_hollow_forward_answers_the_shapes_of_the_real_one_and_reuses_them():
     with Hollow(cache):  # another shape is another signature
         other = block(torch.randn(2, 16))
     assert other.shape == (2, 16) and len(cache) > after_one
+
+
+def test_the_first_forward_records_the_shapes_a_hollow_forward_needs_and_changes_no_bit():
+    """The guard's first forward runs under ShapeRecorder: its outputs and gradients are those of an
+    unwatched copy, bit for bit, and a later doomed forward answers every operator from the
+    recorded shapes (none computed on the meta device). Later forwards record nothing."""
+    import torch
+
+    from tmrun.abandon import StepGuard
+
+    def block() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.LayerNorm(64),
+                                   torch.nn.Linear(64, 16))
+
+    watched, plain = block(), block()
+    doomed = False
+    guard = StepGuard(lambda: doomed)
+    guard.watch(watched)
+    x = torch.randn(3, 5, 16)
+    out, ref = watched(x), plain(x)
+    assert torch.equal(out, ref)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(watched.parameters(), plain.parameters()))
+    recorded = len(guard._shapes)
+    assert recorded > 0
+    watched(torch.randn(2, 16))  # another shape, after the first forward: not recorded
+    assert len(guard._shapes) == recorded
+
+    doomed = True
+    hollow = watched(x)
+    assert (hollow.shape, hollow.stride(), hollow.dtype) == (ref.shape, ref.stride(), ref.dtype)
+    assert not hollow.any()
+    assert len(guard._shapes) == recorded  # every operator's shape came from the first forward
+
+
+
+def _activation_module():
+    import weakref
+
+    import torch
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.middle, self.second = (torch.nn.Linear(32, 256), torch.nn.Linear(256, 256),
+                                                    torch.nn.Linear(256, 4))
+            self.kept: list = []
+
+        def forward(self, x):
+            hidden = self.first(x)
+            self.kept.append(weakref.ref(hidden))
+            return self.second(self.middle(hidden.sin()))  # its backward reaches sin last
+
+    return Net()
+
+
+@pytest.mark.parametrize("when", ["before the backward", "in the backward"])
+def test_an_abandoned_step_lets_go_of_its_activations_though_the_script_keeps_its_loss(when):
+    """The script's ``loss`` still holds the doomed step's graph after ``run.backward``; what the
+    graph saved for the backward is released at once (the next forward would otherwise run beside
+    it and fault its memory in again). A backward on that graph afterwards says why it cannot."""
+    import torch
+
+    from tmrun.abandon import StepGuard
+
+    doomed = {"now": False}
+    guard = StepGuard(lambda: doomed["now"])
+    net = _activation_module()
+    guard.watch(net)
+    x = torch.randn(64, 32)
+
+    loss = net(x).square().sum()  # a step that commits: its backward frees the graph as usual
+    assert guard.backward(loss) is True and net.kept[-1]() is None
+
+    loss = net(x).square().sum()
+    assert net.kept[-1]() is not None  # kept by the graph alone
+    if when == "before the backward":
+        doomed["now"] = True
+    else:  # a collective fails as the first gradient lands: the guard's next hook stops the backward
+        net.second.weight.register_hook(lambda grad: doomed.update(now=True))
+    assert guard.backward(loss) is False and guard.abandoned == 1
+    assert net.kept[-1]() is None and loss.grad_fn is not None  # released, though loss is alive
+    with pytest.raises(RuntimeError, match="abandoned|backward through the graph a second time"):
+        loss.backward()
