@@ -224,7 +224,6 @@ def test_the_first_forward_records_the_shapes_a_hollow_forward_needs_and_changes
     assert len(guard._shapes) == recorded  # every operator's shape came from the first forward
 
 
-
 def _activation_module():
     import weakref
 

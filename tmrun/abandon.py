@@ -137,7 +137,7 @@ class ShapeRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        key, device = _cache_key(func, args, kwargs)
+        key, _ = _cache_key(func, args, kwargs)
         if key is not None and key not in self.cache:
             self.cache[key] = tree_map(_shape_of, out)
         return out
@@ -181,7 +181,7 @@ class StepGuard:
         self._recorder: ShapeRecorder | None = None  # entered for the first forward: fills _shapes
         self._recorded = False
         self._saving: torch.autograd.graph.saved_tensors_hooks | None = None  # entered while a forward runs
-        self._saved: list[weakref.ref] = []  # what the forwards since the last backward saved
+        self._saved: weakref.WeakSet[_Saved] = weakref.WeakSet()  # what live graphs of watched forwards saved
         self.abandoned = 0  # backwards stopped (or skipped) because their step was doomed
 
     def watch(self, module: torch.nn.Module) -> None:
@@ -199,19 +199,18 @@ class StepGuard:
         module.register_forward_hook(self._forward_done, always_call=True)
 
     def _forward_begin(self, module: torch.nn.Module, args: Any) -> None:
-        if not self._recorded and self._recorder is None and not self._doomed():
+        if not self._recorded and not self._doomed():
             self._recorded = True
             self._recorder = ShapeRecorder(self._shapes)
             self._recorder.__enter__()
         if self._saving is None:
-            self._saved = [ref for ref in self._saved if ref() is not None]  # the backwards let go of the rest
             self._saving = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
             self._saving.__enter__()
         self._forward_check(module, args)
 
     def _pack(self, tensor: torch.Tensor) -> _Saved:
         saved = _Saved(tensor)
-        self._saved.append(weakref.ref(saved))
+        self._saved.add(saved)  # gone from the set once the graph (or its backward) drops it
         return saved
 
     def _forward_check(self, module: torch.nn.Module, args: Any) -> None:
@@ -251,10 +250,7 @@ class StepGuard:
 
     def _abandon(self) -> None:
         self.abandoned += 1
-        for ref in self._saved:  # the graph stays with the script's loss: its saved tensors need not
-            saved = ref()
-            if saved is not None:
-                saved.tensor = None
-        self._saved = []
+        for saved in list(self._saved):  # the graph stays with the script's loss: its saved tensors need not
+            saved.tensor = None
         for module in self._modules:
             module.reducer._reset_state()  # its buckets are half filled; the retried step starts afresh
