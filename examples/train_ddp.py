@@ -264,5 +264,21 @@ def main(argv=None) -> int:
     return 0
 
 
+def exit_now(code: int) -> None:
+    """End the process without Python's finalization.
+
+    DDP keeps the default gloo group alive after ``destroy_process_group`` (its threads keep
+    running), and the group's final barrier may still hold the work of the last ``all_reduce``:
+    when a gloo thread drops that work it takes the GIL to release the reduced tensor, and a
+    thread that takes the GIL while the interpreter is finalizing is ended mid-destructor, which
+    aborts the process ("terminate called without an active exception", signal 6) after training
+    has finished. Seen under torchrun and tmrun alike, more often on a busy machine. The output
+    is complete at this point; only the streams need flushing.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

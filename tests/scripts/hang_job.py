@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import torch
@@ -77,6 +78,10 @@ def main() -> None:
         torch.save({k: v.detach().clone() for k, v in model.module.state_dict().items()}, args.out)
     dist.barrier()
     dist.destroy_process_group()
+    # DDP keeps the gloo group alive past destroy_process_group, and a gloo thread that releases
+    # a tensor while the interpreter finalizes aborts the process (examples/train_ddp.py, exit_now).
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
