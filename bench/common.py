@@ -22,6 +22,7 @@ import json
 import multiprocessing
 import os
 import platform
+import re
 import shlex
 import signal
 import socket
@@ -337,10 +338,60 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def count(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}: {text!r}")
+        return value
+    return parse
+
+
+def size_label(text: str) -> str:
+    """An argparse type: ``5M``, ``50m``, ``500k``, ``1e6`` -> a label train_gpt.py's --params accepts."""
+    if not re.fullmatch(r"[0-9]*\.?[0-9]+(e[0-9]+)?[kKmMgGbB]?", text.strip()):
+        raise argparse.ArgumentTypeError(f"not a model size: {text!r} (try 5M, 50M, 1M)")
+    return text.strip().upper()
+
+
+def size_list(text: str) -> list[str]:
+    """An argparse type: comma-separated model sizes."""
+    return [size_label(s) for s in text.split(",") if s.strip()]
+
+
+def params_of(label: str) -> int:
+    """The parameter count a size label stands for."""
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:E[0-9]+)?)([KMGB]?)", label)
+    return round(float(m.group(1)) * {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "B": 1e9}[m.group(2)])
+
+
 def md_table(columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     """A Markdown table, the cells as :func:`print_table` shows them (``|`` escaped)."""
     return "\n".join(["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)] +
                      ["| " + " | ".join(_fmt(v).replace("|", "\\|") for v in row) + " |" for row in rows])
+
+
+def write_markdown(name: str, heading: str, intro: str, tables: list[tuple[str, list, list]], targets: list[dict],
+                   images: list[tuple[str, str]], extra: str = "") -> Path:
+    """``bench/results/<name>.md``: a section for docs/benchmarks.md: the heading, the intro, the
+    command, each (caption, columns, rows) table, ``extra`` text, the targets, the images (paths
+    relative to docs/)."""
+    lines = [f"## {heading}", "", intro, "", "```", command_line(), "```", ""]
+    for caption, columns, rows in tables:
+        lines += ([caption, ""] if caption else []) + [md_table(columns, rows), ""]
+    lines += [extra, ""] if extra else []
+    lines += ["| target | measured | met |", "|---|---|---|"]
+    lines += [f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else 'no'}"
+              f"{': ' + t['reason'] if t.get('reason') and not t['met'] else ''} |" for t in targets]
+    lines += [""] + [f"![{alt}](bench/{png})" for alt, png in images] + [""]
+    path = RESULTS / f"{name}.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines))
+    return path
 
 
 def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:

@@ -30,7 +30,6 @@ timings it runs alongside). ``--quick``: 2 drains, 1 kill, 50 round trips.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import json
@@ -78,35 +77,6 @@ DRAIN_PATH = [
 
 
 # ------------------------------------------------------------------------------ small helpers
-# (candidates for common.py, shared with steady_state.py and transfer_limit.py)
-
-def count(minimum: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}: {text!r}")
-        return value
-    return parse
-
-
-def write_markdown(name: str, heading: str, intro: str, tables: list[tuple[str, list, list]], targets: list[dict],
-                   images: list[tuple[str, str]]) -> Path:
-    """``bench/results/<name>.md``: a section for docs/benchmarks.md (images relative to docs/)."""
-    lines = [f"## {heading}", "", intro, "", "```", common.command_line(), "```", ""]
-    for caption, columns, rows in tables:
-        lines += ([caption, ""] if caption else []) + [common.md_table(columns, rows), ""]
-    lines += ["| target | measured | met |", "|---|---|---|"]
-    lines += [f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else 'no'}"
-              f"{': ' + t['reason'] if t.get('reason') and not t['met'] else ''} |" for t in targets]
-    lines += [""] + [f"![{alt}](bench/{png})" for alt, png in images] + [""]
-    path = common.RESULTS / f"{name}.md"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines))
-    return path
-
 
 def cpu_ticks(pid: int) -> int | None:
     try:
@@ -437,13 +407,13 @@ def main(argv: list[str] | None = None) -> int:
                       epilog="Run nothing else on the machine meanwhile (on a shared machine: "
                              "flock /tmp/tmrun-bench.lock python bench/control_plane.py ...).")
     p.add_argument("--params", default="1M", help="model size of the running job (default 1M)")
-    p.add_argument("--drains", type=count(1), default=5, help="drains with --rejoin (default 5)")
-    p.add_argument("--kills", type=count(0), default=2, help="kill -9 of a worker, one standby each (default 2)")
-    p.add_argument("--rtt", type=count(1), default=200, help="sequential etcd calls per kind (default 200)")
+    p.add_argument("--drains", type=common.count(1), default=5, help="drains with --rejoin (default 5)")
+    p.add_argument("--kills", type=common.count(0), default=2, help="kill -9 of a worker, one standby each (default 2)")
+    p.add_argument("--rtt", type=common.count(1), default=200, help="sequential etcd calls per kind (default 200)")
     p.add_argument("--steady", type=float, default=30.0,
                    help="seconds of steady state (standbys warm, nobody asks anything) in which the agents' and "
                         "etcd's CPU and wake-ups are measured first (default 30; 0: none)")
-    p.add_argument("--threads", type=count(1), default=1, help="torch threads per worker (default 1)")
+    p.add_argument("--threads", type=common.count(1), default=1, help="torch threads per worker (default 1)")
     p.add_argument("--profile", action="store_true", help="py-spy record the agents during each drain")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any one wait may take (default 300)")
     p.add_argument("--quick", action="store_true", help="2 drains, 1 kill, 50 round trips; suffix _quick")
@@ -612,7 +582,7 @@ def report(name: str, args, rtt: dict, drains: list[dict], kills: list[dict], cp
                         "threads": args.threads, "profile": args.profile, "tmrun_conf": common.TMRUN_CONF},
            "plot": str(png.relative_to(common.REPO))}
     path = common.save(name, doc)
-    md = write_markdown(
+    md = common.write_markdown(
         name, "Control-plane latency",
         f"A running tmrun job ({args.params} GPT, 2 nodes x 1 worker, {args.threads} thread(s) each, standbys warm): "
         f"`tmrun drain --rejoin` of a non-leader active node, and `kill -9` of a worker. Times from the swap "

@@ -31,7 +31,7 @@ Measured from the step log (one JSON line per committed step, ``--step-log``) an
   lines about etcd, and the job's events (from its history file);
 - the CPU used per kind of process (training workers, standby, agents, etcd, launcher, and *not
   ours*: every process on the machine this script did not start), from ``/proc`` every 0.5 s
-  (``steady_state.ProcSampler``), before the events, in each event's window, and in the
+  (``procsample.ProcSampler``), before the events, in each event's window, and in the
   uninterrupted run over the same steps. A step is *quiet* when *not ours* used at most 0.25
   cores in every sample interval that overlaps it; each stall is also given over quiet steps
   only, and the medians are taken over quiet steps, so that other users of a shared machine do
@@ -67,7 +67,7 @@ if not __package__:  # `python bench/X.py`: the repo root, not bench/, on sys.pa
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "examples"))  # train_gpt
 from bench import common  # noqa: E402
-from bench.steady_state import CLK_TCK, CpuTrace, ProcSampler  # noqa: E402
+from bench.procsample import CLK_TCK, CpuTrace, ProcSampler  # noqa: E402
 
 NAME = "etcd_failure"
 TMRUN_CONF = "join_timeout=120"  # tmrun's defaults otherwise (lease_ttl 5 s, store_timeout 20 s, outage bound 900 s)

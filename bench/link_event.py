@@ -33,7 +33,6 @@ from pathlib import Path
 if not __package__:  # `python bench/X.py`: the repo root, not bench/, on sys.path
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 from bench import common  # noqa: E402
-from bench.control_plane import write_markdown  # noqa: E402
 
 from tests.harness import FAST, wait_events, wait_status  # noqa: E402
 
@@ -120,7 +119,7 @@ def main() -> None:
              "`collective_timeout=5`); each cycle cuts the link between the nodes of ranks 1 and 2 both ways "
              "with `tc`, waits for the job to reconfigure, restores the link and waits for the node that left "
              "to be a standby again.")
-    write_markdown(NAME, "Link events: a cut link, one end out, the node back", intro, [("", columns, table)],
+    common.write_markdown(NAME, "Link events: a cut link, one end out, the node back", intro, [("", columns, table)],
                    targets, [])
 
 

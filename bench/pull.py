@@ -31,7 +31,6 @@ from pathlib import Path
 if not __package__:  # `python bench/X.py`: the repo root, not bench/, on sys.path
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 from bench import common  # noqa: E402
-from bench.control_plane import write_markdown  # noqa: E402
 
 from tests.netlab import NetLab, pull_over, unavailable_reason  # noqa: E402
 
@@ -133,7 +132,7 @@ def report(results: dict[str, dict], mib: float, repeat: int, command: str) -> N
     intro = (f"A receiver pulls {mib:g} MiB from K sources on namespaced hosts whose links `tc tbf` "
              f"shapes; median of {repeat}. Predicted: the plan's finish from phase 1's probed rates; "
              "fluid: the bytes over the sum of the probed rates, which no split of the state beats.")
-    md = write_markdown(NAME, "A joiner's pull by measured link rate", intro, [("", columns, rows)], targets,
+    md = common.write_markdown(NAME, "A joiner's pull by measured link rate", intro, [("", columns, rows)], targets,
                         [("pull times", png.name)])
     md.write_text(md.read_text().replace(common.command_line(), command))  # --report-only: the run's command
     print(f"plot: {png}")

@@ -50,20 +50,16 @@ all works in about two minutes.
 
 from __future__ import annotations
 
-import argparse
+import json
 import os
-import re
 import shutil
 import statistics
 import sys
-import threading
-import time
 from pathlib import Path
 
 if not __package__:  # `python bench/X.py`: the repo root, not bench/, on sys.path
     sys.path[0] = str(Path(__file__).resolve().parents[1])
-from agent import procfs  # noqa: E402
-from bench import common  # noqa: E402
+from bench import common, procsample  # noqa: E402
 from bench.competitors import torchrun_job  # noqa: E402
 
 NAME = "steady_state"
@@ -74,256 +70,6 @@ TARGET_PHASE1 = 1.05
 DEFAULT_MEASURE = {"5M": 200, "50M": 40}  # window lengths (steps), about a minute each on 2 cores
 
 
-# ------------------------------------------------------------------------------ small helpers
-# (candidates for common.py: the other benchmarks have the same needs)
-
-def size_label(text: str) -> str:
-    """``5M``, ``50m``, ``500k``, ``1e6`` -> a label train_gpt.py's --params accepts."""
-    if not re.fullmatch(r"[0-9]*\.?[0-9]+(e[0-9]+)?[kKmMgGbB]?", text.strip()):
-        raise argparse.ArgumentTypeError(f"not a model size: {text!r} (try 5M, 50M, 1M)")
-    return text.strip().upper()
-
-
-def size_list(text: str) -> list[str]:
-    return [size_label(s) for s in text.split(",") if s.strip()]
-
-
-def params_of(label: str) -> int:
-    m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:E[0-9]+)?)([KMGB]?)", label)
-    return round(float(m.group(1)) * {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "B": 1e9}[m.group(2)])
-
-
-def positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
-    return value
-
-
-def nonnegative(text: str) -> int:
-    value = int(text) if text.lstrip("-").isdigit() else -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0: {text!r}")
-    return value
-
-
-CLK_TCK = procfs.CLOCK_TICKS
-
-
-def _proc_info(pid: int, worker: bool) -> dict | None:
-    """CPU ticks (user + system); for a worker also VmHWM and VmRSS (kB) and its TMRUN_ROLE."""
-    fields = procfs.stat_fields(pid)
-    if fields is None:
-        return None
-    info = {"cpu": int(fields[11]) + int(fields[12])}
-    if not worker:
-        return info
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            status = dict(line.split(":", 1) for line in f if ":" in line)
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-    except (OSError, ValueError, IndexError):
-        return None
-    if "VmHWM" not in status:
-        return None  # a zombie
-    return {**info, "hwm_kb": int(status["VmHWM"].split()[0]), "rss_kb": int(status["VmRSS"].split()[0]),
-            "role": env.get(b"TMRUN_ROLE", b"active").decode()}
-
-
-def thread_cpu(pid: int) -> dict[str, int]:
-    """CPU ticks of a process's threads, by what they are: ``main`` (the thread that runs the script's
-    loop: tid == pid), ``gloo_tcp_loop``/``pt_gloo_runloop`` (gloo's I/O and work threads: the
-    all-reduces), ``python threads`` (other threads Python started: no OS name of their own, e.g.
-    tmrun's agent-channel reader and its ``alive`` heartbeat), and any other thread name as it is."""
-    out: dict[str, int] = {}
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-                raw = f.read()
-        except OSError:
-            continue
-        comm = raw[raw.index(b"(") + 1:raw.rindex(b")")].decode(errors="replace")
-        fields = raw.rsplit(b")", 1)[1].split()
-        name = "main" if int(tid) == pid else "python threads" if comm.startswith("python") else comm
-        out[name] = out.get(name, 0) + int(fields[11]) + int(fields[12])
-    out["threads"] = len(tids)  # (a count, not ticks)
-    return out
-
-
-def memory_parts(pid: int) -> dict[str, int] | None:
-    """Where a process's resident memory is (kB, from ``/proc/PID/smaps``): ``heap`` (glibc's main
-    arena, the brk heap: the main thread's malloc, tensors under the mmap threshold included),
-    ``anon`` (other anonymous mappings: tensors mmap'd on their own, other threads' malloc arenas,
-    thread stacks, Python's obmalloc arenas), ``file`` (mapped files: libraries), ``rss`` (the sum)."""
-    parts = {"heap": 0, "anon": 0, "file": 0}
-    kind = "anon"
-    try:
-        with open(f"/proc/{pid}/smaps") as f:
-            for line in f:
-                head = line.split(None, 6)
-                if head and "-" in head[0] and not head[0].endswith(":"):  # a mapping's first line
-                    name = head[5].strip() if len(head) > 5 else ""
-                    kind = "heap" if name == "[heap]" else "file" if name.startswith("/") else "anon"
-                elif head and head[0] == "Rss:":
-                    parts[kind] += int(head[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    parts["rss"] = sum(parts.values())
-    return parts
-
-
-def worker_detail(pids: list[int]) -> dict[int, dict]:
-    """Per worker: its threads' CPU ticks and, from smaps, where its memory is."""
-    return {pid: {"threads": thread_cpu(pid), "memory": memory_parts(pid)} for pid in pids}
-
-
-def detail_use(before: dict[int, dict], after: dict[int, dict], steps: int) -> dict:
-    """Mean over the workers: CPU ms per step by thread class between two details; memory (MiB) at
-    the end and its growth since the start."""
-    cpu: dict[str, list[float]] = {}
-    mem: dict[str, list[float]] = {}
-    threads = []
-    for pid, b in after.items():
-        a = before.get(pid)
-        if a is None:
-            continue
-        threads.append(b["threads"].get("threads", 0))
-        for name, ticks in b["threads"].items():
-            if name != "threads":
-                cpu.setdefault(name, []).append((ticks - a["threads"].get(name, 0)) / CLK_TCK / steps * 1e3)
-        if a["memory"] and b["memory"]:
-            for k, v in b["memory"].items():
-                mem.setdefault(k, []).append(v / 1024)
-                mem.setdefault(f"{k} growth", []).append((v - a["memory"][k]) / 1024)
-    return {"cpu_ms_per_step": {k: round(statistics.mean(v), 2) for k, v in sorted(cpu.items())},
-            "memory_mib": {k: round(statistics.mean(v), 1) for k, v in sorted(mem.items())},
-            "threads": round(statistics.mean(threads), 1) if threads else None}
-
-
-def _kind(argv: list[bytes], script: bytes) -> str:
-    head = argv[1:3]  # python -u SCRIPT (a worker), python -m agent / torch.distributed.run (an agent)
-    if script in head:
-        return "worker"
-    if b"agent" in head or b"torch.distributed.run" in head:
-        return "agent"
-    if argv and os.path.basename(argv[0]) == b"etcd":
-        return "etcd"
-    return "other"
-
-
-class ProcSampler(threading.Thread):
-    """Samples this process and its descendants every ``interval`` s: what kind each process is
-    (worker running ``script``, agent, etcd, other), its CPU time, and for workers the memory;
-    and, as pid 0, the CPU time all other processes on the machine used between samples (so that
-    a machine that is not idle shows; run the thread so that nothing long-lived slips through).
-
-    Keeps, per pid, the latest sample and when its CPU time last moved (a warm standby stops).
-    """
-
-    def __init__(self, script: Path, interval: float = 0.5) -> None:
-        super().__init__(daemon=True, name="proc-sampler")
-        self.roots, self.script, self.interval = [os.getpid()], str(script).encode(), interval
-        self.latest: dict[int, dict] = {}
-        self.cpu_moved: dict[int, float] = {}
-        self._foreign: dict[int, int] = {}  # CPU ticks of the processes not ours, at the last sample
-        self._foreign_total = 0
-        self._lock = threading.Lock()
-        self._halt = threading.Event()
-
-    def run(self) -> None:
-        while not self._halt.wait(self.interval):
-            self.sample()
-
-    def stop(self) -> None:
-        self._halt.set()
-
-    def sample(self) -> dict[int, dict]:
-        """Sample now; the processes alive now (pid -> {kind, cpu, t, and for workers role, hwm_kb, rss_kb})."""
-        now = time.time()
-        with self._lock:
-            table = procfs.table()
-            ours = self.roots + sorted(procfs.descendants(self.roots, table))
-            mine = set(ours)
-            foreign = {pid: ticks for pid, (_, ticks, *_) in table.items() if pid not in mine}
-            self._foreign_total += sum(max(0, t - self._foreign[p]) for p, t in foreign.items() if p in self._foreign)
-            self._foreign = foreign
-            for pid in ours:
-                try:  # read every time: an exec wrapper becomes an agent or a worker under the same pid
-                    with open(f"/proc/{pid}/cmdline", "rb") as f:
-                        kind = _kind(f.read().split(b"\0"), self.script)
-                except OSError:
-                    continue
-                info = _proc_info(pid, kind == "worker")
-                if info is None:
-                    continue
-                old = self.latest.get(pid)
-                if old is None or old["cpu"] != info["cpu"]:
-                    self.cpu_moved[pid] = now
-                self.latest[pid] = {**info, "kind": kind, "t": now, "pid": pid}
-            self.latest[0] = {"kind": "foreign", "cpu": self._foreign_total, "t": now}
-            return {pid: dict(v) for pid, v in self.latest.items() if v["t"] == now}
-
-    def workers(self, snapshot: dict[int, dict], role: str) -> list[dict]:
-        return [v for v in snapshot.values() if v["kind"] == "worker" and v.get("role") == role]
-
-    def wait_quiet(self, pids: list[int], quiet: float, timeout: float, alive) -> float:
-        """Until the processes ``pids`` used no CPU for ``quiet`` s; when they last did."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if alive.poll() is not None:
-                raise RuntimeError(f"the job ended (exit {alive.returncode}) while waiting for a quiet standby")
-            now = self.sample()
-            live = [p for p in pids if p in now]
-            if live and all(time.time() - self.cpu_moved[p] >= quiet for p in live):
-                return max(self.cpu_moved[p] for p in live)
-            time.sleep(0.25)
-        raise TimeoutError(f"the standby workers {pids} did not go idle within {timeout:g} s")
-
-
-class CpuTrace(threading.Thread):
-    """``sampler.sample()`` every ``interval`` s while a drain happens: CPU time per process over time."""
-
-    def __init__(self, sampler: ProcSampler, interval: float = 0.05) -> None:
-        super().__init__(daemon=True, name="cpu-trace")
-        self.sampler, self.interval = sampler, interval
-        self.samples: list[tuple[float, dict[int, dict]]] = []
-        self._halt = threading.Event()
-
-    def run(self) -> None:
-        while not self._halt.is_set():
-            self.samples.append((time.time(), self.sampler.sample()))
-            self._halt.wait(self.interval)
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.join()
-
-    def cores(self, start: float, end: float, classes: dict[int, str]) -> dict[str, float] | None:
-        """Cores used from ``start`` to ``end`` (widened to the samples around them), per class of
-        process: ``classes`` maps pids to a class; other processes go by their kind (agent, etcd, other)."""
-        before = [x for x in self.samples if x[0] <= start]
-        after = [x for x in self.samples if x[0] >= end]
-        if not before or not after:
-            return None
-        (t0, a), (t1, b) = before[-1], after[0]
-        used: dict[str, float] = {}
-        names = {"agent": "agents", "etcd": "etcd", "other": "tmrun CLIs", "worker": "other workers"}
-        for pid, v in b.items():
-            if pid == 0:
-                continue
-            name = classes.get(pid) or ("this benchmark" if pid == os.getpid() else names[v["kind"]])
-            used[name] = used.get(name, 0.0) + (v["cpu"] - a.get(pid, {"cpu": 0})["cpu"]) / CLK_TCK / (t1 - t0)
-        return {k: round(x, 2) for k, x in sorted(used.items())} | {"seconds": round(t1 - t0, 3)}
-
-
 def standby_pids(job: common.TmrunJob, timeout: float) -> list[int]:
     """The standbys' shadow worker pids, from ``tmrun status`` (a worker's TMRUN_ROLE is the one it
     started with: after a swap a promoted standby is active and a rejoined leaver a standby)."""
@@ -331,21 +77,6 @@ def standby_pids(job: common.TmrunJob, timeout: float) -> list[int]:
                                                             and n["worker_pids"] for n in d["nodes"]),
                             timeout, "a standby with shadow workers")
     return [p for n in status["nodes"] if n["role"] == "standby" and n["state"] == "shadow" for p in n["worker_pids"]]
-
-
-def cpu_use(before: dict[int, dict], after: dict[int, dict]) -> dict[str, float]:
-    """Cores used between two samples, per kind of our processes (workers split by role; processes
-    that ended in between are missing); ``outside``: by processes this benchmark did not start."""
-    seconds = after[0]["t"] - before[0]["t"]
-    used: dict[str, float] = {}
-    for pid, v in after.items():
-        if pid == 0:
-            continue
-        kind = f"worker-{v['role']}" if v["kind"] == "worker" else v["kind"]
-        ticks = v["cpu"] - before.get(pid, {"cpu": 0})["cpu"]
-        used[kind] = used.get(kind, 0.0) + ticks / CLK_TCK / seconds
-    used["outside"] = (after[0]["cpu"] - before[0]["cpu"]) / CLK_TCK / seconds
-    return {k: round(x, 3) for k, x in sorted(used.items())}
 
 
 def first_step_after(path: Path, at: float) -> int:
@@ -365,21 +96,6 @@ def window_stats(steps: list[dict], first: int, last: int) -> dict:
             "rel_stderr": statistics.stdev(gaps) / statistics.mean(gaps) / len(gaps) ** 0.5}
 
 
-def write_markdown(name: str, heading: str, intro: str, columns, rows, targets: list[dict],
-                   images: list[tuple[str, str]], extra: str = "") -> Path:
-    """``bench/results/<name>.md``: a section for docs/benchmarks.md (images relative to docs/)."""
-    lines = [f"## {heading}", "", intro, "", "```", common.command_line(), "```", "", common.md_table(columns, rows)]
-    lines += ["", extra, ""] if extra else [""]
-    lines += ["| target | measured | met |", "|---|---|---|"]
-    lines += [f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else 'no'}"
-              f"{': ' + t['reason'] if t.get('reason') and not t['met'] else ''} |" for t in targets]
-    lines += [""] + [f"![{alt}](bench/{png})" for alt, png in images] + [""]
-    path = common.RESULTS / f"{name}.md"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines))
-    return path
-
-
 # ------------------------------------------------------------------------------ the runs
 
 def run_torchrun(size: str, args, wd: Path) -> dict:
@@ -388,17 +104,17 @@ def run_torchrun(size: str, args, wd: Path) -> dict:
     train = ["--params", size, "--steps", str(total), "--threads", str(args.threads), "--step-log", str(log)]
     job = torchrun_job.start_job(train, log_dir=wd / "torchrun", max_restarts=0,
                                  rdzv_id=f"steady-{os.getpid()}")
-    sampler = ProcSampler(torchrun_job.SCRIPT)
+    sampler = procsample.ProcSampler(torchrun_job.SCRIPT)
     sampler.start()
     try:
         agents = [n.agent for n in job.nodes]
         common.wait_for_step(log, args.warmup, args.timeout, agents)
         first, before = args.warmup, sampler.sample()
         actives = [v["pid"] for v in sampler.workers(before, "active")]
-        detail0 = worker_detail(actives)
+        detail0 = procsample.worker_detail(actives)
         common.wait_for_step(log, first + args.measure_of(size), args.timeout, agents)
         after = sampler.sample()
-        detail = detail_use(detail0, worker_detail(actives), args.measure_of(size))
+        detail = procsample.detail_use(detail0, procsample.worker_detail(actives), args.measure_of(size))
         codes = job.wait(args.timeout)
     finally:
         sampler.stop()
@@ -407,7 +123,7 @@ def run_torchrun(size: str, args, wd: Path) -> dict:
     return {"steps": steps, "first": first, "last": first + args.measure_of(size), "exit": codes,
             "active_hwm_kb": sorted(v["hwm_kb"] for v in sampler.workers(after, "active")), "drains": [],
             "active_rss_kb": sorted(v["rss_kb"] for v in sampler.workers(after, "active")),
-            "done_maxrss_kb": None, "cpu_cores": cpu_use(before, after), "detail": detail}
+            "done_maxrss_kb": None, "cpu_cores": procsample.cpu_use(before, after), "detail": detail}
 
 
 def run_tmrun(size: str, args, wd: Path, standby: int) -> dict:
@@ -415,7 +131,7 @@ def run_tmrun(size: str, args, wd: Path, standby: int) -> dict:
     total = args.warmup + measure + 5 if not standby else 10**7  # the standby run is stopped after its drains
     job = common.TmrunJob(wd, ["--params", size, "--steps", str(total), "--threads", str(args.threads)],
                           nnodes=2, standby=standby, name="steady")
-    sampler = ProcSampler(common.GPT)
+    sampler = procsample.ProcSampler(common.GPT)
     sampler.start()
     drains, quiet_at = [], None
     try:
@@ -426,10 +142,10 @@ def run_tmrun(size: str, args, wd: Path, standby: int) -> dict:
             first = max(args.warmup, first_step_after(job.step_log, max(t_warm, quiet_at)))
         before = sampler.sample()  # (no swap yet: each worker's TMRUN_ROLE is still its role)
         actives = [v["pid"] for v in sampler.workers(before, "active")]
-        detail0 = worker_detail(actives)
+        detail0 = procsample.worker_detail(actives)
         common.wait_for_step(job.step_log, first + measure, args.timeout, [job.proc])
         after = sampler.sample()
-        detail = detail_use(detail0, worker_detail(actives), measure)
+        detail = procsample.detail_use(detail0, procsample.worker_detail(actives), measure)
         for k in range(args.drains if standby else 0):
             drains.append(drain_once(job, sampler, args, k, drains[-1]["swap"]["at"] if drains else None))
         if standby:
@@ -445,12 +161,12 @@ def run_tmrun(size: str, args, wd: Path, standby: int) -> dict:
             "active_hwm_kb": sorted(v["hwm_kb"] for v in sampler.workers(after, "active")),
             "active_rss_kb": sorted(v["rss_kb"] for v in sampler.workers(after, "active")),
             "standby_hwm_kb": sorted(v["hwm_kb"] for v in sampler.workers(after, "standby")),
-            "cpu_cores": cpu_use(before, after), "detail": detail,
+            "cpu_cores": procsample.cpu_use(before, after), "detail": detail,
             "done_maxrss_kb": None if standby else sorted(r["maxrss_kb"] for r in other if r.get("event") == "done"),
             "drains": drains}
 
 
-def drain_once(job: common.TmrunJob, sampler: ProcSampler, args, k: int, since: float | None) -> dict:
+def drain_once(job: common.TmrunJob, sampler: procsample.ProcSampler, args, k: int, since: float | None) -> dict:
     """Drain a non-leader active node with --rejoin once the standby is warm; its swap event.
 
     ``normal_step_time`` is the median of the survivors' steps since the last switch (``since``):
@@ -470,7 +186,7 @@ def drain_once(job: common.TmrunJob, sampler: ProcSampler, args, k: int, since: 
     for n in status["nodes"]:  # (the leaver trains until the switch, like the survivors)
         role = "training" if n["role"] == "active" else "joiner" if n["role"] == "standby" else None
         classes.update({pid: f"{role} workers" for pid in n["worker_pids"] if role})
-    trace = CpuTrace(sampler)
+    trace = procsample.CpuTrace(sampler)
     trace.start()
     try:
         t0, t1, _ = job.drain(node, rejoin=True)
@@ -493,44 +209,13 @@ def drain_once(job: common.TmrunJob, sampler: ProcSampler, args, k: int, since: 
     cpu_step: dict = {}
     if swap.get("phase1_started_s") is not None and swap.get("phase1_done_s") is not None:
         p1 = (swap["requested"] + swap["phase1_started_s"], swap["requested"] + swap["phase1_done_s"])
-        cpu_step["phase1_ms"] = _cpu_per_step(commits, trace.samples, survivors, *p1)
-    cpu_step["normal_ms"] = _cpu_per_step(commits, [(calm0[0]["t"], calm0), (calm1[0]["t"], calm1)], survivors,
+        cpu_step["phase1_ms"] = procsample.cpu_per_step(commits, trace.samples, survivors, *p1)
+    cpu_step["normal_ms"] = procsample.cpu_per_step(commits, [(calm0[0]["t"], calm0), (calm1[0]["t"], calm1)], survivors,
                                           calm0[0]["t"], calm1[0]["t"], inside=True)
     if cpu_step.get("phase1_ms") and cpu_step.get("normal_ms"):
         cpu_step["ratio"] = round(cpu_step["phase1_ms"] / cpu_step["normal_ms"], 4)
     return {"node": node, "issued": t0, "returned": t1, "dirty_steps": dirty, "swap": swap, "phase1_ratio": ratio,
             "phase1_cpu_cores": phase1_cpu, "phase1_cpu_per_step": cpu_step}
-
-
-def _cpu_at(samples: list[tuple[float, dict[int, dict]]], pids: list[int], t: float) -> float | None:
-    """The summed CPU seconds of ``pids`` at time ``t``, interpolated between the samples around it."""
-    before = [x for x in samples if x[0] <= t]
-    after = [x for x in samples if x[0] >= t]
-    if not before or not after:
-        return None
-    (t0, a), (t1, b) = before[-1], after[0]
-    if not all(p in a and p in b for p in pids):
-        return None
-    c0, c1 = (sum(x[p]["cpu"] for p in pids) / CLK_TCK for x in (a, b))
-    return c0 if t1 == t0 else c0 + (c1 - c0) * (t - t0) / (t1 - t0)
-
-
-def _cpu_per_step(commits: list[tuple[int, float]], samples, pids: list[int], start: float, end: float,
-                  inside: bool = False) -> float | None:
-    """Mean CPU ms per step and per process of ``pids`` over whole committed steps: those that
-    overlapped ``start``..``end`` (or, ``inside``, that ran entirely within it)."""
-    times = [t for _, t in commits]
-    if inside:
-        span = [i for i in range(1, len(times)) if times[i - 1] >= start and times[i] <= end]
-    else:
-        span = [i for i in range(1, len(times)) if times[i - 1] < end and times[i] > start]
-    if not span or not pids:
-        return None
-    t0, t1 = times[span[0] - 1], times[span[-1]]
-    c0, c1 = _cpu_at(samples, pids, t0), _cpu_at(samples, pids, t1)
-    if c0 is None or c1 is None:
-        return None
-    return round((c1 - c0) / len(span) / len(pids) * 1e3, 1)
 
 
 # ------------------------------------------------------------------------------ report
@@ -539,15 +224,15 @@ def main(argv: list[str] | None = None) -> int:
     p = common.Parser(prog="bench/steady_state.py", description=__doc__.splitlines()[0],
                       epilog="The runs share the machine's cores: run nothing else meanwhile (on a shared machine: "
                              "flock /tmp/tmrun-bench.lock python bench/steady_state.py ...).")
-    p.add_argument("--sizes", type=size_list, default=None, help="model sizes, comma-separated (default 5M)")
-    p.add_argument("--size", type=size_label, default=None, help="one model size (same as --sizes SIZE)")
-    p.add_argument("--warmup", type=positive, default=20, help="committed steps before the window (default 20)")
-    p.add_argument("--measure", type=positive, default=None,
+    p.add_argument("--sizes", type=common.size_list, default=None, help="model sizes, comma-separated (default 5M)")
+    p.add_argument("--size", type=common.size_label, default=None, help="one model size (same as --sizes SIZE)")
+    p.add_argument("--warmup", type=common.count(1), default=20, help="committed steps before the window (default 20)")
+    p.add_argument("--measure", type=common.count(1), default=None,
                    help="steps in the window (default: 200 at 5M, 40 at 50M, scaled for others)")
-    p.add_argument("--drains", type=nonnegative, default=3,
+    p.add_argument("--drains", type=common.count(0), default=3,
                    help="drains in the tmrun+standby run after the window, for the phase-1 effect (default 3)")
-    p.add_argument("--threads", type=positive, default=1, help="torch threads per worker (default 1)")
-    p.add_argument("--repeats", type=positive, default=None,
+    p.add_argument("--threads", type=common.count(1), default=1, help="torch threads per worker (default 1)")
+    p.add_argument("--repeats", type=common.count(1), default=None,
                    help="run the three competitors this many times, interleaved, in rotated order (default 2; "
                         "--quick: 1)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds any one wait may take (default 600)")
@@ -565,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     def measure_of(size: str) -> int:
         if args.measure:
             return args.measure
-        return DEFAULT_MEASURE.get(size, max(30, min(400, round(200 * 5e6 / params_of(size)))))
+        return DEFAULT_MEASURE.get(size, max(30, min(400, round(200 * 5e6 / common.params_of(size)))))
 
     args.measure_of = measure_of
     name = NAME + ("_quick" if args.quick else "")
@@ -590,10 +275,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"active peak RSS {[round(k / 1024) for k in r['active_hwm_kb']]} MiB", flush=True)
                 results[size][run].append(r)
     try:  # a copy of the raw results, should the report fail
-        import pickle
-        with open(Path(os.environ.get("TMPDIR", "/tmp")) / f"{name}-results-{os.getpid()}.pickle", "wb") as f:
-            pickle.dump(results, f)
-    except (OSError, pickle.PicklingError):
+        raw = Path(os.environ.get("TMPDIR", "/tmp")) / f"{name}-results-{os.getpid()}.json"
+        raw.write_text(json.dumps(results, default=str))
+    except (OSError, TypeError, ValueError):
         pass
     return report(name, sizes, results, args)
 
@@ -671,7 +355,7 @@ def report(name: str, sizes: list[str], results: dict, args) -> int:
                          a["active_rss_mib"]])
         no_sb, sb = agg["tmrun"], agg["tmrun+standby"]
         state = [d["swap"]["bytes_from_leaver"] for r in per["tmrun+standby"] for d in r["drains"]]
-        state_mib = (statistics.median(state) if state else 12 * params_of(size)) / 2**20  # fp32 + 2 AdamW moments
+        state_mib = (statistics.median(state) if state else 12 * common.params_of(size)) / 2**20  # fp32 + 2 AdamW moments
         second_copy = sb["active_hwm_mib"] / no_sb["active_hwm_mib"]
         noise = max(a["rel_stderr"] for a in agg.values())
         drains = [d for r in per["tmrun+standby"] for d in r["drains"]]
@@ -798,15 +482,15 @@ def report(name: str, sizes: list[str], results: dict, args) -> int:
               "window):\n\n" + common.md_table(mem_cols, mem_rows))
     if drain_rows:
         extra += "\n\nDrains after the window (tmrun+standby):\n\n" + common.md_table(drain_cols, drain_rows)
-    md = write_markdown(
+    md = common.write_markdown(
         name, "Steady-state overhead",
         f"The same GPT, 2 nodes x 1 worker, {args.threads} thread(s) each, no interruptions: torchrun + plain DDP "
         f"against examples/train_gpt.py under tmrun without and with a standby. Throughput over a window of "
         f"committed steps after the warm-up (and after the standby went idle); peak RSS (VmHWM) of each active "
         f"worker at the window's end, mean of the two (and VmRSS then, for comparison).",
-        ["run", "size", "steps/s", "vs torchrun", "median step (ms)", "peak RSS/worker (MiB)", "RSS vs torchrun",
-         "RSS now/worker (MiB)"],
-        rows, targets, [("step time over wall clock", png.name)], extra)
+        [("", ["run", "size", "steps/s", "vs torchrun", "median step (ms)", "peak RSS/worker (MiB)",
+               "RSS vs torchrun", "RSS now/worker (MiB)"], rows)],
+        targets, [("step time over wall clock", png.name)], extra.strip())
     print(f"results: {path}\nsection: {md}\nplot: {png}", flush=True)
     return 0
 

@@ -43,8 +43,8 @@ if not __package__:  # `python bench/X.py`: the repo root, not bench/, on sys.pa
 from agent.etcd_server import free_port  # noqa: E402
 from bench import common  # noqa: E402
 # Shared helpers of the benchmarks (candidates for common.py).
-from bench.control_plane import count, next_swap, pick_node, wait_standbys_quiet  # noqa: E402
-from bench.steady_state import ProcSampler, cpu_use, params_of, size_list  # noqa: E402
+from bench.control_plane import next_swap, pick_node, wait_standbys_quiet  # noqa: E402
+from bench.procsample import ProcSampler, cpu_use  # noqa: E402
 
 NAME = "transfer_limit"
 
@@ -171,11 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     p = common.Parser(prog="bench/transfer_limit.py", description=__doc__.splitlines()[0],
                       epilog="Run nothing else on the machine meanwhile (on a shared machine: "
                              "flock /tmp/tmrun-bench.lock python bench/transfer_limit.py ...).")
-    p.add_argument("--sizes", type=size_list, default=None, help="model sizes, comma-separated (default 5M,50M)")
-    p.add_argument("--drains", type=count(1), default=2, help="drains (with --rejoin) per size (default 2)")
-    p.add_argument("--loopback-mb", type=count(1), default=512, help="MB for the loopback copy (default 512)")
+    p.add_argument("--sizes", type=common.size_list, default=None, help="model sizes, comma-separated (default 5M,50M)")
+    p.add_argument("--drains", type=common.count(1), default=2, help="drains (with --rejoin) per size (default 2)")
+    p.add_argument("--loopback-mb", type=common.count(1), default=512, help="MB for the loopback copy (default 512)")
     p.add_argument("--no-gloo", action="store_true", help="skip the gloo point-to-point reference")
-    p.add_argument("--threads", type=count(1), default=1, help="torch threads per worker (default 1)")
+    p.add_argument("--threads", type=common.count(1), default=1, help="torch threads per worker (default 1)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds any one wait may take (default 900)")
     p.add_argument("--quick", action="store_true", help="1M only, 1 drain, 128 MB loopback; suffix _quick")
     p.add_argument("--keep", action="store_true", help="keep the work directories")
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_gloo:
         for size in sizes:
             print(f"[{NAME}] gloo send/recv of the {size} state between two processes", flush=True)
-            gloo[size] = gloo_reference(params_of(size))
+            gloo[size] = gloo_reference(common.params_of(size))
             print(f"[{NAME}]   {gloo[size]['bytes'] / 1e6:.1f} MB in {len(gloo[size]['seconds'])} tries: "
                   f"{gloo[size]['bytes_per_s'] / 1e9:.2f} GB/s", flush=True)
     results = {size: drains_of(size, args) for size in sizes}

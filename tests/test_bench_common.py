@@ -98,3 +98,30 @@ def test_parser_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:
         common.Parser(prog="x").parse_args(["--nope"])
     assert exit_.value.code == 2 and capsys.readouterr().err == "x: error: unrecognized arguments: --nope\n"
+
+
+def test_sizes_and_counts_parse_as_every_benchmark_takes_them(capsys: pytest.CaptureFixture[str]) -> None:
+    assert common.size_list("5m, 50M,1e6") == ["5M", "50M", "1E6"]
+    assert [common.params_of(s) for s in ("5M", "500K", "1E6", "2B")] == [5_000_000, 500_000, 1_000_000, 2 * 10**9]
+    parser = common.Parser(prog="b")
+    parser.add_argument("--sizes", type=common.size_list)
+    parser.add_argument("--drains", type=common.count(0))
+    assert parser.parse_args(["--sizes", "5M", "--drains", "0"]).drains == 0
+    for bad, said in ((["--drains", "-1"], "must be >= 0: '-1'"), (["--drains", "two"], "not an integer: 'two'"),
+                      (["--sizes", "5 MB"], "not a model size: '5 MB'")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
+        assert said in capsys.readouterr().err
+
+
+def test_a_markdown_section_has_the_command_the_tables_the_targets_and_the_images(tmp_path: Path,
+                                                                                  monkeypatch) -> None:
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    path = common.write_markdown("x", "A heading", "What it measures.", [("", ["a"], [[1]]), ("Second:", ["b"], [[2]])],
+                                 [{"target": "t <= 1", "measured": "2", "met": False, "reason": "why"}],
+                                 [("plot", "x.png")], extra="More.")
+    text = path.read_text()
+    assert text.startswith("## A heading\n\nWhat it measures.\n\n```\n")
+    order = [text.index(s) for s in ("| a |", "Second:", "| b |", "More.", "| t <= 1 | 2 | no: why |",
+                                     "![plot](bench/x.png)")]
+    assert order == sorted(order)
