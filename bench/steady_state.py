@@ -84,6 +84,13 @@ def first_step_after(path: Path, at: float) -> int:
     return next((r["step"] for r in steps if r["t"] >= at), steps[-1]["step"] + 1)
 
 
+def steps_in(path: Path, before: dict[int, dict], after: dict[int, dict]) -> int:
+    """Steps committed between two samples (the per-thread CPU is divided by these: with a standby the
+    window's first step may already be past when the first sample is taken)."""
+    steps, _ = common.read_log(path)
+    return max(1, len({r["step"] for r in steps if before[0]["t"] < r["t"] <= after[0]["t"]}))
+
+
 def window_stats(steps: list[dict], first: int, last: int) -> dict:
     """Steps/s, median step time and its relative standard error between committed steps first..last."""
     by_step: dict[int, float] = {}
@@ -114,7 +121,7 @@ def run_torchrun(size: str, args, wd: Path) -> dict:
         detail0 = procsample.worker_detail(actives)
         common.wait_for_step(log, first + args.measure_of(size), args.timeout, agents)
         after = sampler.sample()
-        detail = procsample.detail_use(detail0, procsample.worker_detail(actives), args.measure_of(size))
+        detail = procsample.detail_use(detail0, procsample.worker_detail(actives), steps_in(log, before, after))
         codes = job.wait(args.timeout)
     finally:
         sampler.stop()
@@ -145,7 +152,8 @@ def run_tmrun(size: str, args, wd: Path, standby: int) -> dict:
         detail0 = procsample.worker_detail(actives)
         common.wait_for_step(job.step_log, first + measure, args.timeout, [job.proc])
         after = sampler.sample()
-        detail = procsample.detail_use(detail0, procsample.worker_detail(actives), measure)
+        detail = procsample.detail_use(detail0, procsample.worker_detail(actives),
+                                       steps_in(job.step_log, before, after))
         for k in range(args.drains if standby else 0):
             drains.append(drain_once(job, sampler, args, k, drains[-1]["swap"]["at"] if drains else None))
         if standby:
