@@ -57,6 +57,29 @@ def test_a_run_logs_a_refused_move_as_an_error_with_its_identity(caplog: pytest.
                                       "handing-over is not allowed (a test); staying active")
 
 
+class Messages:
+    """The agent's side of a standby's channel: these messages, then the agent gone (None)."""
+
+    def __init__(self, *messages: dict) -> None:
+        self.messages = list(messages)
+
+    def wait(self, timeout: float) -> dict | None:
+        return self.messages.pop(0) if self.messages else None
+
+
+def test_a_leave_that_reaches_a_rejoined_standby_is_stale_not_a_refused_move(caplog) -> None:
+    """The agent sends a newer generation's leave before it reads that the workers already left
+    (with rejoin) and are standbys again: the standby stays one and says why, at info level."""
+    standby = Run(Identity(1, 2, 0, "standby"), SandboxGroup(1, 2))
+    standby.channel = Messages({"v": 1, "type": "leave", "gen": 3, "rejoin": True})
+    with caplog.at_level(logging.DEBUG, logger="tmrun.runtime"), pytest.raises(SystemExit) as ended:
+        standby._wait_for_promotion()
+    assert ended.value.code == 0 and standby.phase is Phase.STANDBY
+    assert [r.levelno for r in caplog.records if "generation 3" in r.getMessage()] == [logging.INFO]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert "the leave of generation 3 is stale: this worker is a standby" in caplog.text
+
+
 def test_role_follows_the_phase() -> None:
     standby = Run(Identity(1, 2, 0, "standby"), SandboxGroup(1, 2))
     assert standby.phase is Phase.STANDBY and standby.role == "standby" and not standby.is_main

@@ -376,6 +376,10 @@ class Run:
             if message["type"] == "prepare":
                 self._promote(GroupSpec.from_message(message))
                 return
+            if message["type"] == "leave":  # the agent sent it before it read that this worker left and rejoined
+                self._warn(f"the leave of generation {message.get('gen')} is stale", "this worker is a standby",
+                           logging.INFO)
+                continue
             self._phase.move(Phase.LEAVING, f"{message['type']} of generation {message.get('gen')} to a standby")
 
     def _demote(self, left: int) -> None:
