@@ -27,6 +27,9 @@ JOB = Path(__file__).parent / "scripts" / "elastic_job.py"
 STEPS = 150
 SHARES = 12
 PACE = ["--step-time", "0.06"]
+# the rendezvous waits up to 10 s past the second node for the other two: on a busy machine one
+# agent can register more than FAST's 0.5 s after the others, and the job would start with 3
+CONF = FAST + ",last_call_timeout=10"
 # Loss per step against the fixed-size run: the same samples and the same mean gradient, summed
 # in another order (the ranks' partial sums differ with the size), so equal to rounding, which
 # SGD carries forward: over 150 steps of this model the gap stayed below 1e-6 (relative).
@@ -73,10 +76,14 @@ def fixed_size(tmp_path_factory) -> tuple[dict[int, float], Path]:
 
 @pytest.mark.timeout(300)
 def test_an_elastic_job_shrinks_and_grows_without_restarting_anyone(jobs, tmp_path, fixed_size):
-    job = jobs(["--nnodes", "2:4", "--rdzv-conf", FAST, str(JOB), str(tmp_path / "final.pt"), "--steps", str(STEPS),
-                "--shares", str(SHARES), *PACE])
+    # the steps from 100 on wait for the grow (slower until the gate opens): it must land before the last
+    gate = tmp_path / "grown"
+    script = [str(JOB), str(tmp_path / "final.pt"), "--steps", str(STEPS), "--shares", str(SHARES), *PACE,
+              "--hold-from", "100", "--gate", str(gate)]
+    job = jobs(["--nnodes", "2:4", "--rdzv-conf", CONF, *script])
     ref = job_ref(job)
     start = wait_status(ref, lambda d: d["hot_swap"] and len([n for n in d["nodes"] if n["ranks"]]) == 4, 90)
+    assert start["generation"] == 1, start  # all four from the first step
     job.track()
     pids = {n["node"]: n["worker_pids"][0] for n in start["nodes"]}
     agents = {n["node"]: n["agent_pid"] for n in start["nodes"]}
@@ -97,12 +104,13 @@ def test_an_elastic_job_shrinks_and_grows_without_restarting_anyone(jobs, tmp_pa
     # 3. a new agent is pointed at the job: it grows to 3
     _reached(job, 80)
     newcomer = jobs(["--rdzv-endpoint", ref.endpoint, "--rdzv-id", ref.job, "--nnodes", "2:4", "--node-name",
-                     "node-9", "--local-addr", "127.0.0.1", "--rdzv-conf", FAST, str(JOB), str(tmp_path / "final.pt"),
-                     "--steps", str(STEPS), "--shares", str(SHARES), *PACE])
+                     "node-9", "--local-addr", "127.0.0.1", "--rdzv-conf", CONF, *script])
     grown = wait_status(ref, lambda d: d["generation"] >= 4 or d["state"] != "running", 90)
     assert grown["state"] == "running", grown
     job.track()
     newcomer.track()
+    newcomer.out.wait_for(r'"world": 3, ', 60)  # the newcomer's first step as a member of the grown job
+    gate.touch()
     assert job.wait(150) == 0, job.err.text()[-4000:]
     assert newcomer.wait(60) == 0, newcomer.err.text()[-4000:]
     assert grown["restarts"] == 0 and grown["hot_swaps"] == 3, grown  # three resizes, no restart
