@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -46,8 +47,9 @@ def test_json_frames_show_nodes_step_rates_and_events(jobs, tmp_path: Path) -> N
 @pytest.mark.skipif(shutil.which("tmux") is None and not os.environ.get("CI"),
                     reason="needs tmux (.ci/run installs it; in CI its absence fails the test)")
 def test_the_live_view_in_a_terminal_follows_the_job_to_its_end(jobs, tmp_path: Path) -> None:
+    gate = tmp_path / "gate"  # the steps from 100 on are slower until the view has been seen to move
     job = jobs(["--nnodes", "2", "--standby", "1", "--rdzv-conf", FAST, str(JOB), str(tmp_path / "final.pt"),
-                "--steps", "300", "--step-time", "0.05"])
+                "--steps", "300", "--step-time", "0.05", "--hold-from", "100", "--gate", str(gate)])
     ref = job_ref(job)
     wait_status(ref, lambda d: d["hot_swap"], 90)
     session = f"tmrun-top-{os.getpid()}"
@@ -67,13 +69,19 @@ def test_the_live_view_in_a_terminal_follows_the_job_to_its_end(jobs, tmp_path: 
             return [int(line.split("│")[5]) for line in text.splitlines()
                     if line.startswith("│ node-") and line.split("│")[5].strip().isdigit()]
 
-        live = wait_for(lambda: (lambda s: s if "steps/s ·" in s and len(steps(s)) == 3 else None)(screen()), 60,
-                        "the live view with a rate")
+        def until(condition: Callable[[str], bool], timeout: float, what: str) -> str:
+            try:
+                return wait_for(lambda: (lambda s: s if condition(s) else None)(screen()), timeout, what)
+            except TimeoutError as e:
+                raise AssertionError(f"{e}; the screen:\n{screen()}") from None
+
+        live = until(lambda s: "steps/s ·" in s and len(steps(s)) == 3, 60, "the live view with a rate")
         assert f"{ref.job} · running" in live and "┃ node " in live and "recent events" in live, live
         before = max(steps(live))
-        wait_for(lambda: max(steps(screen()) or [0]) > before, 30, "the view to move on")  # in place, refreshed
+        until(lambda s: max(steps(s) or [0]) > before, 30, "the view to move on")  # in place, refreshed
         assert screen().count("┃ node ") == 1  # one table: redrawn, not printed again
-        end = wait_for(lambda: (lambda s: s if "EXIT=" in s else None)(screen()), 90, "top to end with the job")
+        gate.touch()
+        end = until(lambda s: "EXIT=" in s, 90, "top to end with the job")
         # the last frame shows the outcome, or the job's etcd stopped with it between two frames
         assert "EXIT=0" in end and ("· succeeded ·" in end or f"job {ref.job} has ended and its etcd with it" in end), end
     finally:

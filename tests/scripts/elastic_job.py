@@ -5,9 +5,7 @@ Usage: python elastic_job.py OUT.pt [--steps N] [--shares K] [--step-time S] [--
 Every step trains on the same K shares whatever the number of ranks (``run.shares``). Each rank
 prints one JSON line per committed step: the step, its generation and world size, the shares it
 took, the sum of their losses and its pid; rank 0 saves the weights at the end. With
-``--hold-from N --gate FILE`` the steps from N on are slower (``HOLD`` seconds more each) until
-FILE exists: a test that must act before the last step opens the gate when it has, instead of
-racing the job's end.
+``--hold-from N --gate FILE`` the steps from N on are slower until FILE exists (gate.py).
 """
 
 from __future__ import annotations
@@ -20,9 +18,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+import gate
 import tmrun
-
-HOLD = 0.25  # seconds more per step while the gate is shut: 50 held steps give a test 15 s
 
 
 def emit(event: dict) -> None:
@@ -43,8 +40,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--shares", type=int, default=12)
     parser.add_argument("--step-time", type=float, default=0.0, help="simulated compute per step (pacing)")
-    parser.add_argument("--hold-from", type=int, default=None, help="from this step on, slower until --gate exists")
-    parser.add_argument("--gate", default=None)
+    gate.add_arguments(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -61,9 +57,7 @@ def main() -> None:
             (loss * share.weight).backward()
             taken.append(share.index)
             loss_sum += loss.item()
-        pause = args.step_time
-        if args.hold_from is not None and step >= args.hold_from and not os.path.exists(args.gate):
-            pause += HOLD
+        pause = args.step_time + gate.held(args, step)
         if pause:
             time.sleep(pause)  # workload, so that a test can act while the job runs
         if run.commit():

@@ -1,6 +1,7 @@
 """A small training job on the tmrun runtime, with faults to inject, for tests/test_runtime.py.
 
 Usage: python runtime_job.py OUT.pt [--steps N] [--plain-ddp] [--latch-at STEP:RANK] [--exit-at STEP:RANK]
+[--step-time S] [--hold-from N --gate FILE] (the steps from N on are slower until FILE exists: gate.py)
 Prints one JSON line per event on stdout: {"step": s, "committed": bool} and a final summary.
 """
 
@@ -15,6 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+import gate
 import tmrun
 
 
@@ -55,6 +57,7 @@ def main() -> None:
                         "bucket's all-reduce was issued")
     parser.add_argument("--kill-on-prepare", type=int, default=-1, help="RANK: SIGKILL when phase 1 starts")
     parser.add_argument("--kill-joiner", action="store_true", help="a promoted standby dies at its first step")
+    gate.add_arguments(parser)
     parser.add_argument("--hang-at", default="", help="STEP:RANK: stop making progress (alive, never returns)")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -118,8 +121,9 @@ def main() -> None:
         x, y = _batch(step, run.rank)
         noise = torch.rand(1)  # RNG use inside the step: a retry must see the same value
         F.mse_loss(ddp(x) + 0 * noise, y).backward()
-        if args.step_time:
-            time.sleep(args.step_time)  # workload, so that a test can act while the job runs
+        pause = args.step_time + gate.held(args, step)
+        if pause:
+            time.sleep(pause)  # workload, so that a test can act while the job runs
         if latch == (step, run.rank) and tried[step] == 1:
             run.latch(RuntimeError("injected"))
         committed = run.commit()
