@@ -1,4 +1,10 @@
-"""Shared fixtures: one real etcd server per test session, and a clean environment per test."""
+"""Shared fixtures: one real etcd server per test session, and a clean environment per test.
+
+Under pytest-xdist (``-n 2 --dist loadgroup``, as README.md runs the suite) every test that
+brings up network namespaces (the ``slurm`` and ``hosts`` markers) runs on one worker, in file
+order: the SLURM lab and tests/netlab.py use fixed namespace names and addresses, and the lab is
+brought up once per worker that needs it.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,24 @@ import pytest
 
 from agent.etcd_server import EmbeddedEtcd
 from tests.slurm_cluster import slurm, slurm_cluster  # noqa: F401  (fixtures)
+
+
+HOSTS_GROUP = "hosts"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]):
+    """Put the tests that use network namespaces in one xdist group, and check that xdist kept it."""
+    grouped = [item for item in items if item.get_closest_marker("slurm") or item.get_closest_marker("hosts")]
+    for item in grouped:
+        item.add_marker(pytest.mark.xdist_group(HOSTS_GROUP))
+    result = yield
+    if getattr(config.option, "loadgroup", False):  # an xdist worker of a --dist loadgroup run
+        lost = [item.nodeid for item in grouped if not item.nodeid.endswith(f"@{HOSTS_GROUP}")]
+        if lost:  # pytest 9.2 with xdist 3.8 drops the group (pytest-dev/pytest-xdist#1386)
+            raise pytest.UsageError(f"xdist did not group {lost[0]} (and {len(lost) - 1} more): "
+                                    "the namespace tests would run on two workers at once")
+    return result
 
 
 @pytest.fixture(scope="session")

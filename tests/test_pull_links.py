@@ -13,7 +13,8 @@ import pytest
 
 from tests.netlab import NetLab, pull_over, unavailable_reason
 
-pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
+pytestmark = [pytest.mark.hosts,
+              pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))]
 
 MBITS = (40, 80, 160)
 
