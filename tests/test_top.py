@@ -56,9 +56,10 @@ def test_the_live_view_in_a_terminal_follows_the_job_to_its_end(jobs, tmp_path: 
     command = " ".join(map(shlex.quote, [sys.executable, "-m", "tmrun.cli", "top", "--job", ref.job]))
     passed = [f"{k}={os.environ[k]}" for k in ("PATH", "PYTHONPATH", "HOME", "TMRUN_RUNTIME_DIR", "XDG_RUNTIME_DIR")
               if k in os.environ]  # a tmux server already running would not pass this process's environment on
+    # COLUMNS/LINES exported by the caller would win over the pane's size in rich (COLUMNS=80: an 80-column view)
+    shell = f"cd {shlex.quote(str(tmp_path))} && unset COLUMNS LINES && {command}; echo EXIT=$?; sleep 60"
     subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "150", "-y", "45",
-                    *[arg for kv in passed for arg in ("-e", kv)],
-                    f"cd {shlex.quote(str(tmp_path))} && {command}; echo EXIT=$?; sleep 60"], check=True,
+                    *[arg for kv in passed for arg in ("-e", kv)], shell], check=True,
                    env={**os.environ, "TERM": "xterm-256color"}, timeout=10)
     try:
         def screen() -> str:
