@@ -34,6 +34,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     return result
 
 
+JOBS = pytest.StashKey[list]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A failed test that started jobs (the ``jobs`` fixture) shows the end of each job's stderr."""
+    report = yield
+    if report.when == "call" and report.failed:
+        for job in item.stash.get(JOBS, []):
+            code = job.proc.poll()
+            report.sections.append((f"tmrun pid {job.proc.pid} ({'running' if code is None else f'exit {code}'}), "
+                                    "the end of its stderr", job.err.text()[-6000:]))
+    return report
+
+
 @pytest.fixture(scope="session")
 def etcd_server(tmp_path_factory: pytest.TempPathFactory):
     """A real etcd on loopback, port 0, shared by the session (give each test its own prefix)."""
@@ -74,12 +89,14 @@ def _log_dir(tmp_path, monkeypatch: pytest.MonkeyPatch):
 
 
 @pytest.fixture
-def jobs(tmp_path):
+def jobs(tmp_path, request: pytest.FixtureRequest):
     """Start ``tmrun`` jobs; afterwards assert that no process any of them started is still alive,
-    and that no worker or agent of theirs logged a move its phase or role table refuses."""
+    and that no worker or agent of theirs logged a move its phase or role table refuses. When the
+    test failed, its report shows the end of each job's stderr."""
     from tests.harness import Job, alive
 
     started: list[Job] = []
+    request.node.stash[JOBS] = started
 
     def start(args: list[str], env: dict | None = None) -> Job:
         job = Job(args, cwd=tmp_path, env=env)
