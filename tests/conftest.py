@@ -59,16 +59,16 @@ def etcd_server(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _credentials(tmp_path_factory: pytest.TempPathFactory):
-    """The tests' own tmrun CA (TMRUN_CREDENTIALS), made by the first job, out of the home directory."""
-    path = tmp_path_factory.mktemp("credentials-parent") / "credentials"
-    old = os.environ.get("TMRUN_CREDENTIALS")
-    os.environ["TMRUN_CREDENTIALS"] = str(path)
-    yield path
-    if old is None:
-        os.environ.pop("TMRUN_CREDENTIALS", None)
-    else:
-        os.environ["TMRUN_CREDENTIALS"] = old
+def _session_state(tmp_path_factory: pytest.TempPathFactory):
+    """The tests' own tmrun CA (TMRUN_CREDENTIALS), made by the first job, and session-wide runtime
+    and log directories for jobs that module fixtures start (the per-test ones below come later):
+    nothing a test runs reads or writes the home directory's tmrun state."""
+    parent = tmp_path_factory.mktemp("session-state")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TMRUN_CREDENTIALS", str(parent / "credentials"))
+        patch.setenv("TMRUN_LOG_DIR", str(parent / "logs"))
+        patch.setenv("TMRUN_RUNTIME_DIR", str(parent / "runtime"))
+        yield parent / "credentials"
 
 
 @pytest.fixture(autouse=True)

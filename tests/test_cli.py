@@ -32,9 +32,10 @@ WARNING = "tmrun: warning: "
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
-    """No torchrun, SLURM or tmrun variable from the outer shell; run in tmp_path with a script."""
+    """No torchrun, SLURM or tmrun variable from the outer shell (but the test's own runtime and log
+    directories, so no job or history of the user's is found); run in tmp_path with a script."""
     for name in list(os.environ):
-        if name.startswith(("PET_", "SLURM_", "TMRUN_")) and name != "TMRUN_RUNTIME_DIR":
+        if name.startswith(("PET_", "SLURM_", "TMRUN_")) and name not in ("TMRUN_RUNTIME_DIR", "TMRUN_LOG_DIR"):
             monkeypatch.delenv(name)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "script.py").write_text("print('hello')\n")
