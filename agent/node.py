@@ -224,7 +224,7 @@ class NodeAgent(Watchdogs):
         who is unreachable is reported at once, and the leader takes a cut-off member out."""
         interval = self.cfg.timeouts.link_check
         if not interval:
-            return
+            return await asyncio.Event().wait()  # off: never ends (a background task that ends stops the agent)
         checker = LinkChecker(timeout=min(1.0, interval))
         while True:
             plan = self._plan

@@ -50,6 +50,17 @@ def test_same_flags_same_weights_as_torchrun(jobs, tmp_path, reference):
     assert "succeeded" in job.err.text()
 
 
+@pytest.mark.timeout(120)
+def test_link_checks_turned_off_the_job_runs_to_its_end(jobs, tmp_path, reference):
+    """``link_check=0`` (documented: no link checks) once made every agent's finished check task
+    stop its agent with a traceback."""
+    job = jobs(["--nnodes", "2", "--rdzv-conf", f"{FAST},link_check=0", str(EXAMPLE), "--steps", str(STEPS),
+                "--out", str(tmp_path / "final.pt")])
+    assert job.wait(100) == 0, job.err.text()[-3000:]
+    assert_same_weights(tmp_path / "final.pt", reference)
+    assert "Traceback" not in job.err.text()
+
+
 @pytest.mark.timeout(150)
 def test_kill_worker_standby_takes_over(jobs, tmp_path, reference):
     job = _two_plus_one(jobs, tmp_path)
