@@ -35,6 +35,9 @@ PROBE_BYTES = 1 << 20
 """Bytes a joiner receives from each source in phase 1's probe."""
 PINGS = 3
 """8-byte round trips a probe times before its ``PROBE_BYTES``: the quickest is the round trip."""
+LOADS = 2
+"""Times a probe receives ``PROBE_BYTES`` from each source: the quickest counts (a process that
+was not on a CPU at once only ever makes a transfer slower, never faster)."""
 PROBE_TAG = 1 << 30
 """The probe's tags: far above any tensor tag of an exchange."""
 PULLS = ("planned", "striped", "single")
@@ -64,10 +67,10 @@ def probe_links(group: RealGroup, receivers: Sequence[int], nbytes: int = PROBE_
     ``receivers``; on every other rank, ``{}`` once it answered each receiver.
 
     A receiver asks one source at a time (the others do not share its link meanwhile): for 8
-    bytes, ``PINGS`` times, then for ``nbytes``; the rate is ``nbytes`` over the difference to the
-    quickest ping, so the round trip cancels out (a single ping is too noisy: on a fresh
-    connection one took 5 ms where the quickest took 0.3). Every rank must call this with the
-    same ``receivers``.
+    bytes, ``PINGS`` times, then for ``nbytes``, ``LOADS`` times; the rate is ``nbytes`` over the
+    quickest of those less the quickest ping, so the round trip cancels out (a single ping is too
+    noisy: on a fresh connection one took 5 ms where the quickest took 0.3; a single load on a
+    loaded machine came out 18% slow once). Every rank must call this with the same ``receivers``.
     """
     me = group.rank
     sources = [rank for rank in range(group.size) if rank not in receivers]
@@ -77,15 +80,15 @@ def probe_links(group: RealGroup, receivers: Sequence[int], nbytes: int = PROBE_
     if me in receivers:
         for src in sources:
             took = []
-            for payload in (small,) * PINGS + (big,):
+            for payload in (small,) * PINGS + (big,) * LOADS:
                 started = time.perf_counter()
                 group.send(ask, src, PROBE_TAG).wait()
                 group.recv(payload, src, PROBE_TAG + 1).wait()
                 took.append(time.perf_counter() - started)
-            rates[src] = big.numel() / max(took[-1] - min(took[:-1]), 1e-6)
+            rates[src] = big.numel() / max(min(took[PINGS:]) - min(took[:PINGS]), 1e-6)
     else:
         for dst in receivers:
-            for payload in (small,) * PINGS + (big,):
+            for payload in (small,) * PINGS + (big,) * LOADS:
                 group.recv(ask, dst, PROBE_TAG).wait()
                 group.send(payload, dst, PROBE_TAG + 1).wait()
     return rates
