@@ -70,15 +70,23 @@ def references(tmp_path_factory) -> dict[tuple[str, int], Path]:
 
 def _start_warm(jobs, tmp_path: Path, flags: list[str], mode: str, nodes: int, step: int):
     """A job of the native script on ``nodes`` nodes and one standby: once the standby is warm and
-    ``step`` was committed, the job, its ref and its status (the nodes' ranks and worker pids)."""
+    ``step`` was committed, the job, its ref and its status (the nodes' ranks and worker pids).
+    The steps from ``step`` on are slower until the test calls :func:`_acted` (gate.py), so that on
+    a loaded machine the job cannot end before its standby is warm or before the test acted."""
     job = jobs(["--nnodes", str(nodes), "--standby", "1", *flags, "--rdzv-conf", FAST,
-                str(JOB), str(tmp_path / "final.pt"), "--mode", mode, "--steps", str(STEPS), *PACE])
+                str(JOB), str(tmp_path / "final.pt"), "--mode", mode, "--steps", str(STEPS), *PACE,
+                "--hold-from", str(step), "--gate", str(tmp_path / "acted")])
     ref = job_ref(job)
     wait_status(ref, lambda d: d["hot_swap"] and any(n["state"] == "shadow" for n in d["nodes"]), 120)
     job.out.wait_for(rf'"step": {step}, "committed"', 120)
     doc = wait_status(ref, lambda d: True, 10)
     job.track()
     return job, ref, doc
+
+
+def _acted(tmp_path: Path) -> None:
+    """The test did what it started the job for: the job's steps go at their pace again."""
+    (tmp_path / "acted").touch()
 
 
 def _kill(doc: dict, rank: int) -> dict:
@@ -98,6 +106,7 @@ def test_native_parallelism_hot_swap(case: Case, jobs, tmp_path, references):
         assert drained.returncode == 0 and "hot swap" in drained.stderr, drained.stderr
     else:
         target = _kill(doc, case.rank)
+    _acted(tmp_path)
     final = wait_status(ref, lambda d: d["generation"] >= 2 or d["state"] != "running", 150)
     job.track()
     assert job.wait(180) == 0, job.err.text()[-4000:]
@@ -127,6 +136,7 @@ def test_fsdp_kill_9_without_a_replica_restarts_and_says_why(jobs, tmp_path, ref
     no checkpoint: it trains again from step 0 and ends with the uninterrupted run's weights)."""
     job, _, doc = _start_warm(jobs, tmp_path, ["--max-restarts", "1"], "fsdp", 4, 20)
     _kill(doc, 2)
+    _acted(tmp_path)
     assert job.wait(200) == 0, job.err.text()[-4000:]
     err = job.err.text()
     assert "StateLost: no surviving rank holds rank 2's copy of /model/" in err, err[-4000:]
@@ -145,6 +155,7 @@ def test_fsdp_kill_9_with_redundancy_rolls_back_and_swaps_without_a_restart(jobs
     uninterrupted run, though the steps since the copy were trained twice."""
     job, ref, doc = _start_warm(jobs, tmp_path, ["--redundancy", "1", "--redundancy-every", "5"], "fsdp", 4, 22)
     _kill(doc, 2)
+    _acted(tmp_path)
     final = wait_status(ref, lambda d: d["generation"] >= 2 or d["state"] != "running", 150)
     job.track()
     assert job.wait(180) == 0, job.err.text()[-4000:]

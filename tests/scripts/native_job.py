@@ -1,7 +1,7 @@
 """Torch-native parallelism on the runtime's groups, for tests/test_native.py and the e2e tests.
 
 Usage: python native_job.py OUT.pt --mode ddp|fsdp|hsdp [--steps N] [--torch] [--step-time S] [--exit-at S:R]
-       [--exit-once MARKER]
+       [--exit-once MARKER] [--hold-from N --gate FILE] (steps from N on are slower until FILE exists: gate.py)
 
 - ``--mode ddp``: ``DistributedDataParallel(model, process_group=...)``;
 - ``--mode fsdp``: ``fully_shard`` on a 1-D mesh (each rank holds its own shard of everything);
@@ -25,6 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+import gate
 import tmrun
 
 
@@ -84,6 +85,7 @@ def main() -> None:
     parser.add_argument("--step-time", type=float, default=0.0, help="simulated compute per step (pacing)")
     parser.add_argument("--exit-at", default="", help="STEP:RANK: SIGKILL itself in that step, before backward")
     parser.add_argument("--exit-once", default="", help="with --exit-at: only if this file does not exist (it is created)")
+    gate.add_arguments(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -112,8 +114,9 @@ def main() -> None:
     run.track(model=model, optimizer=opt)
     for step in run.steps(total=args.steps):
         x, y = batch(step, run.rank)
-        if args.step_time:
-            time.sleep(args.step_time)  # pacing: a step's compute, so that faults land inside the run
+        pace = args.step_time + gate.held(args, step)
+        if pace:
+            time.sleep(pace)  # pacing: a step's compute, so that faults land inside the run
         loss = F.mse_loss(call(x), y)
         if args.exit_at == f"{step}:{run.rank}" and first_time(args.exit_once):
             os.kill(os.getpid(), signal.SIGKILL)
