@@ -7,6 +7,7 @@ set -u
 cd "$(dirname "$0")/.."
 run() { echo "== python bench/$*"; flock /tmp/tmrun-bench.lock python "bench/$@" || echo "!! bench/$1 failed"; }
 run steady_state.py --sizes 5M
+run agent_cpu.py --params 1M --window 60 --repeats 2
 run planned_migration.py --sizes 5M,50M
 run unplanned_failure.py --sizes 5M,50M
 run transfer_limit.py --sizes 5M,50M
