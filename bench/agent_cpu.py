@@ -38,11 +38,11 @@ def measure(label: str, conf: str, args) -> dict:
     try:
         job.wait_hot(timeout=args.timeout)
         sampler = ProcSampler(common.GPT)
-        time.sleep(5)  # the standby's last shadow iteration ends
+        standby = [v["pid"] for v in sampler.workers(sampler.sample(), "standby")]
+        sampler.wait_quiet(standby, 1.0, args.timeout, job.proc)  # its shadow iterations are over: warm and waiting
         first = sampler.sample()
         agents = sorted(p for p, v in first.items() if v["kind"] == "agent")
         etcd = [p for p, v in first.items() if v["kind"] == "etcd"]
-        standby = [v["pid"] for v in sampler.workers(first, "standby")]
         before, t0 = _threads(agents), time.monotonic()
         time.sleep(args.window)
         after, seconds, last = _threads(agents), time.monotonic() - t0, sampler.sample()
