@@ -6,8 +6,10 @@ runtime), the same under both launchers and in every run: ``--params`` (default 
 side:
 
 - **steady state**: ``tmrun --nnodes N`` without, then with ``--redundancy 1 --redundancy-every E``:
-  the median step time after warm-up (throughput ratio on/off; goal >= 98%) and each rank's peak
-  RSS (``maxrss`` at the end; the difference is the host memory a redundant copy costs);
+  the mean step time over whole snapshot cycles (throughput ratio on/off; goal >= 98%), what the
+  steps after each snapshot cost inside the run against the run's other steps (free of the
+  machine's drift between runs; the off run at the same positions gives the noise floor), and each
+  rank's peak RSS (``maxrss`` at the end; the difference is the host memory a redundant copy costs);
 - **drain** (planned): ``tmrun --nnodes N --standby 1``, ``tmrun drain`` of rank 1's node at step
   K: the leaver hands its shards to the warm standby;
 - **kill -9** (unplanned): the same with ``--redundancy 1``: rank 1's worker SIGKILLed at step K;
@@ -57,6 +59,41 @@ def median_step(steps: list[dict], skip: int) -> float:
     return statistics.median(gaps)
 
 
+AFTER = 3
+"""Steps after a snapshot that may pay for it: its copy on the training thread, then the sends and
+receives in gloo's threads on the cores that train."""
+
+
+def cycle_mean(steps: list[dict], every: int, skip: int) -> float:
+    """The mean step time over whole snapshot cycles after the warm-up: a periodic cost counts in
+    full (a median would leave it out)."""
+    first = (skip // every + 1) * every
+    gaps = [b["t"] - a["t"] for a, b in zip(steps, steps[1:]) if first < b["step"] <= steps[-1]["step"] // every * every]
+    return statistics.mean(gaps)
+
+
+FIRST = 2
+"""A generation's first snapshots fault in fresh memory (two: one is agreed while the next is sent);
+from the third on, the allocator hands them the pages of the snapshot they replace."""
+
+
+def snapshot_cost(steps: list[dict], every: int, skip: int) -> dict:
+    """What the snapshots cost inside one run, free of the run-to-run drift: the ``AFTER`` steps
+    after each snapshot (taken before the step that follows a multiple of ``every``) against the
+    run's median of the other steps; ``steady_*`` from the ``FIRST`` + 1-th snapshot on, as in a
+    long job. Applied to a run without ``--redundancy``, the same positions give the measurement's
+    noise floor."""
+    gaps = [(b["step"], b["t"] - a["t"]) for a, b in zip(steps, steps[1:]) if a["step"] > skip]
+    base = statistics.median(dt for s, dt in gaps if (s - 1) % every >= AFTER)
+    last = steps[-1]["step"]
+    excess = [sum(dt - base for s, dt in gaps if c < s <= c + AFTER)
+              for c in range(every, last - AFTER + 1, every) if c > skip]
+    cost = statistics.mean(excess) / (every * base)
+    steady = statistics.mean(excess[FIRST:] or excess) / (every * base)
+    return {"base_step_s": base, "excess_s": [round(e, 3) for e in excess], "cost": cost, "throughput": 1 / (1 + cost),
+            "steady_cost": steady, "steady_throughput": 1 / (1 + steady)}
+
+
 def peak_rss_mib(workdir: Path) -> list[float]:
     _, done = common.read_log(workdir / "steps.jsonl")
     return sorted(round(r["maxrss_kb"] / 1024, 1) for r in done if "maxrss_kb" in r)
@@ -88,6 +125,9 @@ def run_tmrun(args: argparse.Namespace, name: str, *, standby: int, flags: list[
         job.err.close()
     result = {"run": name, "launcher": "tmrun", "flags": flags, "standby": standby, "event": event,
               "median_step_s": median_step(steps, args.skip), "peak_rss_mib": rss, "restarted": restarts}
+    if event is None:
+        result["mean_step_s"] = cycle_mean(steps, args.every, args.skip)
+        result["snapshots"] = snapshot_cost(steps, args.every, args.skip)
     if t_event is not None:
         result["interruption"] = common.interruption(steps, t_event).to_dict()
     shutil.rmtree(wd, ignore_errors=True)
@@ -121,22 +161,33 @@ def run_torchrun(args: argparse.Namespace, name: str, event: str) -> dict:
 
 
 def steady_repeats(args: argparse.Namespace, redundancy: list[str]) -> int:
-    """Throughput with ``--redundancy 1`` against without, in alternating pairs: the ratio per pair
-    and its spread, so that a gap can be told from the machine's run-to-run noise."""
+    """Throughput with ``--redundancy 1`` against without, in alternating pairs: the ratio of the
+    mean step times per pair and its spread (the machine's run-to-run drift is in it), and, inside
+    each run, what the steps after a snapshot cost (:func:`snapshot_cost`; the runs without it give
+    the noise floor)."""
     runs = []
     for i in range(args.steady_repeats):
         runs += [run_tmrun(args, f"steady-off-{i}", standby=0, flags=[], event=None),
                  run_tmrun(args, f"steady-on-{i}", standby=0, flags=redundancy, event=None)]
-    ratios = [off["median_step_s"] / on["median_step_s"] for off, on in zip(runs[::2], runs[1::2])]
+    ratios = [off["mean_step_s"] / on["mean_step_s"] for off, on in zip(runs[::2], runs[1::2])]
+    inside = [on["snapshots"]["throughput"] for on in runs[1::2]]
+    floor = [off["snapshots"]["throughput"] for off in runs[::2]]
     summary = {"ratio_per_pair": ratios, "ratio_median": statistics.median(ratios),
                "ratio_spread": max(ratios) - min(ratios),
+               "within_run_throughput": inside, "within_run_median": statistics.median(inside),
+               "within_run_steady": [on["snapshots"]["steady_throughput"] for on in runs[1::2]],
+               "noise_floor_without": floor, "noise_floor_median": statistics.median(floor),
                "rss_extra_mib_per_rank": [round(statistics.median(on["peak_rss_mib"][k] - off["peak_rss_mib"][k]
                                                                   for off, on in zip(runs[::2], runs[1::2])), 1)
                                           for k in range(args.nodes)]}
     common.save(f"{NAME}_steady", {"args": vars(args), "runs": runs, "summary": summary})
     common.print_table(f"FSDP2 GPT {args.params}, {args.nodes} ranks: --redundancy 1 on vs off",
-                       ["pair", "off s", "on s", "on/off throughput"],
-                       [(i, f"{off['median_step_s']:.3f}", f"{on['median_step_s']:.3f}", f"{r:.1%}")
+                       ["pair", "off s", "on s", "on/off throughput", "snapshot excess s", "within the run",
+                        f"from snapshot {FIRST + 1}", "same in the off run"],
+                       [(i, f"{off['mean_step_s']:.3f}", f"{on['mean_step_s']:.3f}", f"{r:.1%}",
+                         " ".join(f"{e:.2f}" for e in on["snapshots"]["excess_s"]),
+                         f"{on['snapshots']['throughput']:.1%}", f"{on['snapshots']['steady_throughput']:.1%}",
+                         f"{off['snapshots']['throughput']:.1%}")
                         for i, (off, on, r) in enumerate(zip(runs[::2], runs[1::2], ratios))])
     print(summary)
     return 0
@@ -177,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
                "restarted": [r["run"] for r in runs if r.get("restarted")]}
     if not args.hsdp:
         off, on = by["steady-off"], by["steady-on"]
-        summary["throughput_on_vs_off"] = off["median_step_s"] / on["median_step_s"]
+        summary["throughput_on_vs_off"] = off["mean_step_s"] / on["mean_step_s"]
+        summary["throughput_within_run"] = on["snapshots"]["throughput"]
+        summary["throughput_within_run_steady"] = on["snapshots"]["steady_throughput"]
         summary["rss_extra_mib_per_rank"] = [round(b - a, 1) for a, b in zip(off["peak_rss_mib"], on["peak_rss_mib"])]
     if args.torchrun:
         summary["planned_torchrun_s"] = by["torchrun-move"]["interruption"]["downtime"]

@@ -2,7 +2,7 @@
 # Every benchmark, one after the other, with the settings docs/benchmarks.md reports.
 # Each runs as python bench/X.py (python -m bench.X works as well) and takes the lock, so that
 # nothing else this repository starts competes for the cores.
-# Usage: bash bench/run_all.sh   (about 110 minutes on 2 cores; results in bench/results, plots in docs/bench)
+# Usage: bash bench/run_all.sh   (about 120 minutes on 2 cores; results in bench/results, plots in docs/bench)
 set -u
 cd "$(dirname "$0")/.."
 run() { echo "== python bench/$*"; flock /tmp/tmrun-bench.lock python "bench/$@" || echo "!! bench/$1 failed"; }
@@ -18,7 +18,7 @@ run elastic.py
 run pull.py
 run native.py --params 50M --steps 30 --at 15 --every 5 --torchrun
 run native.py --hsdp --params 50M --steps 30 --at 15 --torchrun
-run native.py --steady-repeats 3 --every 10 --params 50M --steps 25
+run native.py --steady-repeats 3 --every 10 --params 50M --steps 83
 run restart_mode.py
 run link_event.py --cuts 3
 run control_plane_scale.py

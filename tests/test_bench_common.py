@@ -125,3 +125,25 @@ def test_a_markdown_section_has_the_command_the_tables_the_targets_and_the_image
     order = [text.index(s) for s in ("| a |", "Second:", "| b |", "More.", "| t <= 1 | 2 | no: why |",
                                      "![plot](bench/x.png)")]
     assert order == sorted(order)
+
+
+def test_a_periodic_snapshot_counts_in_full_in_the_mean_and_alone_in_its_cost() -> None:
+    from bench.native import cycle_mean, snapshot_cost
+
+    # 1.0 s steps; the step after each snapshot (taken after steps 10, 20, 30, 40) 0.6 s longer,
+    # the one after it 0.1 s: 0.7 s per 10 steps, and 1 s more for each of the first two
+    t, points = 0.0, []
+    for step in range(1, 46):
+        first = 1.0 if step in (11, 21) else 0.0  # the first two snapshots fault in their memory
+        t += 1.0 + first + (0.6 if step % 10 == 1 and step > 10 else 0.1 if step % 10 == 2 and step > 10 else 0.0)
+        points.append((t, step))
+    steps = log(points)
+    assert cycle_mean(steps, every=10, skip=3) == pytest.approx(1.07 + 2 / 30)  # steps 11-40: 3 whole cycles
+    got = snapshot_cost(steps, every=10, skip=3)
+    assert got["base_step_s"] == pytest.approx(1.0)
+    assert got["excess_s"] == [1.7, 1.7, 0.7, 0.7]  # after steps 10, 20, 30 and 40
+    assert got["cost"] == pytest.approx(0.12) and got["throughput"] == pytest.approx(1 / 1.12)
+    assert got["steady_cost"] == pytest.approx(0.07)  # from the third snapshot on
+    # the run without snapshots, measured at the same positions, costs nothing
+    flat = snapshot_cost(log([(1.0 * s, s) for s in range(1, 46)]), every=10, skip=3)
+    assert flat["excess_s"] == [0.0, 0.0, 0.0, 0.0] and flat["throughput"] == pytest.approx(1.0)
