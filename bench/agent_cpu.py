@@ -17,7 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if not __package__:  # `python bench/X.py`: the repo root, not bench/, on sys.path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from bench import common  # noqa: E402
 from bench.procsample import CLK_TCK, ProcSampler, thread_cpu  # noqa: E402
