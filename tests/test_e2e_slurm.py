@@ -324,7 +324,9 @@ def test_etcd_member_losses_cost_no_step(slurm, runtime_reference):
 
 @pytest.mark.timeout(600)
 def test_no_quorum_for_60_s_training_goes_on(slurm, tmp_path_factory):
-    steps = 1300  # 60 s without etcd, then a drain, well before the end
+    # 30 steps, 60 s without etcd (at most 600 steps: each sleeps 0.1 s), then a drain; 1000 leave
+    # the drain 300 steps (30 s or more) before the end
+    steps = 1000
     reference = _reference(tmp_path_factory, 3, steps)
     workdir, job_id, ref, doc = start_runtime_job(slurm, "etcd-quorum-", steps)
     ranks = ranks_of(doc)
