@@ -1,6 +1,6 @@
 """Shared fixtures: one real etcd server per test session, and a clean environment per test.
 
-Under pytest-xdist (``-n 2 --dist loadgroup``; README.md names it, CI runs serially) every test that
+Under pytest-xdist (``-n 2 --dist loadgroup``; README.md and .ci/run use it) every test that
 brings up network namespaces (the ``slurm`` and ``hosts`` markers) runs on one worker, in file
 order: the SLURM lab and tests/netlab.py use fixed namespace names and addresses, and the lab is
 brought up once per worker that needs it.
