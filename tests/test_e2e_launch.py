@@ -166,6 +166,9 @@ def test_warm_start_restarts_into_interpreters_started_before_the_failure(jobs, 
     while len(warm := _warm_interpreters(job)) < 2:  # one per node, started WARM_DELAY after its workers
         assert time.monotonic() < deadline, f"no warm interpreters: {warm}"
         time.sleep(0.2)  # a poll of /proc with a deadline, not a synchronisation
+    # step 2 logged: step 1's checkpoint is complete (its barrier came first), so the restart resumes;
+    # on a loaded machine the interpreters can be warm before the first step
+    job.out.wait_for(r"step 2 ", 60)
     job.track()
     os.kill(node_row(first, "active")[1]["worker_pids"][0], signal.SIGKILL)
     second = wait_status(ref, lambda d: d["generation"] == 2 and all(
