@@ -5,7 +5,7 @@ Every node computes the layout alike from the allocation; nothing is passed arou
     members     the allocation's first three hosts (one host when it has fewer than three nodes:
                 two members would need both for a quorum, worse than one)
     name        tmrun-<host>
-    ports       client 20000 + job id % 10000, peer client + 10000, the same on every host
+    ports       client 20000 + job id % 10000, peer client - 10000, the same on every host
     listens on  the node's own IP (etcd binds IPs only); advertises its host name
     endpoints   every host of the allocation at the client port, the members first: agents and
                 ``tmrun drain`` reach whichever members are up (a refused connection moves on)
@@ -35,7 +35,9 @@ from urllib.parse import urlsplit
 from agent.slurm import SlurmAllocation, etcd_port_for_job
 
 MAX_MEMBERS = 3
-PEER_PORT_OFFSET = 10000
+# Peers at 10000-19999, below the clients: both stay out of Linux's ephemeral range (32768-60999 by
+# default), where any outgoing connection on the node (gloo, NCCL, an etcd client) may hold the port.
+PEER_PORT_OFFSET = -10000
 START_TIMEOUT = 60.0  # seconds a member added to the cluster has to start before another node is tried
 
 

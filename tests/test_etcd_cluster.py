@@ -20,8 +20,8 @@ def alloc(n: int) -> SlurmAllocation:
 def test_layout_three_members_on_the_first_hosts_and_every_host_an_endpoint():
     layout = layout_for(alloc(4))
     assert layout.initial_hosts == ("node1", "node2", "node3")
-    assert (layout.client_port, layout.peer_port) == (22345, 32345)
-    assert layout.initial_cluster() == {f"tmrun-node{i}": f"http://node{i}:32345" for i in (1, 2, 3)}
+    assert (layout.client_port, layout.peer_port) == (22345, 12345)
+    assert layout.initial_cluster() == {f"tmrun-node{i}": f"http://node{i}:12345" for i in (1, 2, 3)}
     assert layout.endpoint == "node1:22345,node2:22345,node3:22345,node4:22345"
 
 
@@ -64,7 +64,7 @@ def test_next_repair(members, live, leaving, stale, expected):
 
 
 def test_host_of_peer_url():
-    assert host_of(["http://node4:32345"]) == "node4"
+    assert host_of(["http://node4:12345"]) == "node4"
     assert host_of([]) == ""
 
 
