@@ -17,6 +17,9 @@ pytestmark = pytest.mark.slurm
 
 ROOT = Path(__file__).resolve().parent.parent
 NODES = ["node1", "node2", "node3", "node4"]
+# Test servers listen below Linux's ephemeral range (32768-60999): a port in it can be held by any
+# outgoing connection in the node's namespace (one was, in CI: EADDRINUSE at 47200).
+PORT, PORT_B = 31200, 31201
 
 # Accept connections on the given ports (IPv4 and IPv6) and answer each with the host name.
 SERVER = r"""
@@ -128,23 +131,25 @@ def test_job_steps_run_the_venv_python_with_torch_and_tmrun(slurm: SlurmCluster)
 
 @pytest.mark.timeout(60)
 def test_job_steps_reach_a_server_on_another_node_over_tcp(slurm: SlurmCluster):
-    server = start_server(slurm, "node1", 47100)
+    server = start_server(slurm, "node1", PORT)
     try:
-        script = f"srun {sys.executable} -c {shlex.quote(PROBE)} 5 node1:47100 10.77.0.11:47100"
+        script = f"srun {sys.executable} -c {shlex.quote(PROBE)} 5 node1:{PORT} 10.77.0.11:{PORT}"
         job = slurm.sbatch(script, nodes=3, args=["--nodelist=node[2-4]"])
         assert slurm.wait_job(job, 30) == "COMPLETED", slurm.output(job)
     finally:
         stop(server)
     rows = sorted(line.split(" ", 2) for line in slurm.output(job).splitlines())
-    assert rows == [[n, t, "ok node1"] for n in NODES[1:] for t in ("10.77.0.11:47100",
-                                                                     "node1:47100")]
+    assert rows == [[n, t, "ok node1"] for n in NODES[1:] for t in (f"10.77.0.11:{PORT}",
+                                                                     f"node1:{PORT}")]
 
 
 @pytest.mark.timeout(60)
 def test_block_port_cuts_only_that_port_until_unblocked(slurm: SlurmCluster):
-    p, q = 47200, 47201
-    servers = [start_server(slurm, "node1", p, q), start_server(slurm, "node2", p)]
+    p, q = PORT, PORT_B
+    servers = []
     try:
+        servers.append(start_server(slurm, "node1", p, q))
+        servers.append(start_server(slurm, "node2", p))
         targets = [f"node1:{p}", f"node1:{q}", f"127.0.0.1:{p}", f"[::1]:{p}"]
         ok = {t: "ok node1" for t in targets[:2]} | {t: "ok node2" for t in targets[2:]}
         assert probe(slurm, "node2", *targets) == ok
