@@ -114,7 +114,8 @@ class Leader:
         self.store_trouble = 0.0
 
     async def run(self) -> None:
-        """Campaign forever; lead whenever elected (not while this node is being drained).
+        """Campaign forever; lead whenever elected (not while this node is being drained, nor once
+        the job has ended).
 
         While etcd is unreachable (or this agent's lease is being replaced) there is nothing to
         lead: look again after a short wait. A leader that lost its key stops leading on its next
@@ -143,7 +144,7 @@ class Leader:
         mine = current is not None and current.lease == self.lease and current.value.get("node") == self._cfg.node
         if mine:  # this agent's term was cut by an etcd error while its key lived on: lead again
             log.info("%s leads job %s again", self._cfg.node, self._cfg.job_id)
-        elif current is None and not await self._drain_pending():
+        elif current is None and not self._job_ended() and not await self._drain_pending():
             record = {"v": 1, "node": self._cfg.node, "host": self._cfg.host, "since": self._wall()}
             mine = await self._store.create(self._keys.leader, record, lease=self.lease)
             if mine:
@@ -277,6 +278,12 @@ class Leader:
         if decision.action is Action.ANSWER:
             await self._event(decision, gen)
         return written
+
+    def _job_ended(self) -> bool:
+        """The watch saw the job's outcome written: its agents are leaving, and a leader that
+        stepped down for that is not replaced."""
+        seen = self._changes.latest(self._keys.outcome)
+        return seen is not None and seen.kind == "put"
 
     async def _drain_pending(self) -> bool:
         entries, _ = await self._store.get_prefix(self._keys.requests)
