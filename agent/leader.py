@@ -7,19 +7,15 @@ then the watch's values), asks :func:`agent.policy.decide` on it, applies the de
 compare-and-set on ``plan``, waits until its copy shows its own writes, and waits for the next
 change or the decision's deadline. Nodes' progress reports change no decision and wake nobody.
 A campaigning agent looks again only when the ``leader`` key changes. The leader hosts the
-torch TCPStore of each generation it starts.
+torch TCPStore of each generation it starts, in a child process (:mod:`agent.store_host`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import dataclasses
-import gc
 import logging
-import os
-import threading
 import time
 from typing import Any, Callable
 
@@ -33,12 +29,14 @@ from agent.policy import Action, Cluster, Clock, Decision, Limits, NodeView, dec
 from agent.records import EventRecord, NodeRecord, Outcome, Plan, Request, parse
 from agent.skipped import warn_skipped
 from agent.store import Entry, Store
+from agent.store_host import StoreHost, StoreHostError
 from agent.swap_report import describe, summarize
 
 log = logging.getLogger("tmrun.leader")
 
 RETRY = 1.0  # seconds before looking again while etcd is unavailable
 CATCH_UP = 2.0  # seconds the leader waits for its own writes to show in its copy of the keys
+KEEP_STORES = 3  # TCPStores of past generations kept open (a late worker may still read its own)
 
 
 def read_cluster(keys: JobKeys, entries: dict[str, Entry], parsed: dict[str, tuple[int, Any]] | None = None,
@@ -92,7 +90,8 @@ class Leader:
     """Campaigns for leadership and, while leader, drives the job's generations."""
 
     def __init__(self, cfg: AgentConfig, store: Store, lease: int, changes: Changes,
-                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
+                 stores: StoreHost | None = None) -> None:
         self._cfg = cfg
         self._store = store
         self.lease = lease  # the agent gives its new lease here after registering again
@@ -103,7 +102,8 @@ class Leader:
         t = cfg.timeouts
         self._limits = Limits(cfg.min_nodes, cfg.max_nodes, cfg.worker.max_restarts, t.join, t.last_call,
                               t.failure_window, t.standby_fill, cfg.grow)
-        self._tcp_stores: collections.deque = collections.deque(maxlen=3)
+        self._stores = StoreHost(cfg.host) if stores is None else stores
+        self._tcp_ports: collections.deque[int] = collections.deque()  # open stores' ports, oldest first
         self._swaps_reported: set[int] = set()
         self._parsed: dict[str, tuple[int, Any]] = {}
         self._mirror: Mirror | None = None
@@ -157,8 +157,7 @@ class Leader:
                 await self._mirror.start()
                 await self._lead(self._mirror)
             finally:
-                self.is_leader = False
-                self._spare = None  # a leader that comes back makes another
+                self.is_leader = False  # a spare being made is kept: a leader that comes back uses it
                 await self._mirror.close()
             return
         await self._leader_changed(seen)
@@ -320,59 +319,49 @@ class Leader:
     def _known_events(self) -> list[str] | None:
         return None if self._mirror is None else self._mirror.keys_under(self._keys.events)
 
+    async def warm(self) -> None:
+        """Start this agent's TCPStore host (:mod:`agent.store_host`) now: any agent may lead, and
+        a new leader's first plan must not wait for torch's import."""
+        await self._stores.start()
+
+    async def close(self) -> None:
+        """The agent stops: its stores go (the generations they served end with this node)."""
+        if self._spare is not None:
+            self._spare.cancel()
+        await self._stores.stop()
+
     async def _new_tcp_store(self) -> int:
-        """Host a fresh TCPStore for the new generation; keep the last few alive.
+        """A fresh TCPStore's port for the new generation; the last few stay open.
 
         The store comes from a spare made beforehand (when this agent became leader, and when it
-        next waits after using one), so that a decision waits neither for torch's import (seconds; see
-        :func:`warm_torch`) nor for the store's start. Without a spare, or if making it failed,
-        one is made now, in a thread so that the event loop keeps the lease alive meanwhile.
+        next waits after using one), so that a decision waits neither for torch's import in the
+        host (seconds) nor for the store's start. Without a spare, or if making it failed, one
+        is made now.
         """
         spare, self._spare = self._spare, None
-        store = None
+        port = None
         if spare is not None:
             try:
-                store = await spare
+                port = await spare
             except Exception as exc:  # said here; a store made now may still work
                 log.warning("%s: the spare TCPStore could not be made (%s); making one now", self._cfg.node, exc)
-        if store is None:
-            store = await asyncio.to_thread(_tcp_store_server, self._cfg.host)
-        self._tcp_stores.append(store)  # the next spare is made once the leader waits (see _lead)
-        return store.port
+        if port is None:
+            port = await self._stores.open()
+        self._tcp_ports.append(port)  # the next spare is made once the leader waits (see _lead)
+        return port
 
     def _make_spare(self) -> None:
-        """Start making the next generation's TCPStore in a thread (see _new_tcp_store)."""
+        """Start making the next generation's TCPStore, and closing the stores of generations
+        long gone, off the decision's path (see _new_tcp_store)."""
         if self._spare is None:
-            self._spare = asyncio.ensure_future(asyncio.to_thread(_tcp_store_server, self._cfg.host))
+            self._spare = asyncio.ensure_future(self._refill())
             self._spare.add_done_callback(lambda task: task.cancelled() or task.exception())  # one dropped: no noise
 
-
-def _tcp_store_server(host: str):
-    from torch.distributed import TCPStore
-
-    return TCPStore(host, 0, is_master=True, wait_for_workers=False)
-
-
-def warm_torch() -> threading.Thread:
-    """Import torch.distributed in a background thread of low priority, so that an agent that
-    becomes leader later (leadership moves when a leader's node fails or is cut off) hosts its
-    first TCPStore at once: the import takes seconds (12 s once, on a busy 2-core machine, in the
-    middle of a link event's decision). Costs every agent about 200 MB of memory; the imported
-    objects are frozen (:func:`gc.freeze`) so that the garbage collector does not scan them."""
-
-    def run() -> None:
-        with contextlib.suppress(OSError):  # nice this thread only (Linux: a thread is a task)
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-        try:
-            import torch.distributed  # noqa: F401
-        except Exception as exc:  # the leader says it again, with the store it could not make
-            log.warning("importing torch.distributed in the background failed: %s", exc)
-            return
-        # torch's ~150,000 objects live as long as the process: out of the collector's sight, or
-        # every full collection scans them (112 ms a time, measured; the agents' CPU during a drain
-        # doubled before this, and the drain's latency with it)
-        gc.freeze()
-
-    thread = threading.Thread(target=run, name="tmrun-warm-torch", daemon=True)
-    thread.start()
-    return thread
+    async def _refill(self) -> int:
+        while len(self._tcp_ports) > KEEP_STORES:
+            port = self._tcp_ports.popleft()
+            try:
+                await self._stores.close(port)
+            except StoreHostError as exc:
+                log.warning("%s: could not close the TCPStore at port %d: %s", self._cfg.node, port, exc)
+        return await self._stores.open()

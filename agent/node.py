@@ -55,7 +55,7 @@ from agent.config import AgentConfig
 from agent.etcd_member import MemberHost
 from agent.errors import ConfigError, ControlPlaneLost, LeaseNotFound, StoreError
 from agent.keys import JobKeys
-from agent.leader import Leader, warm_torch
+from agent.leader import Leader
 from agent.links import LinkChecker, LinkListener
 from agent.metrics import MetricsServer, Snapshot
 from agent.output import OutputRouter
@@ -63,6 +63,7 @@ from agent.records import REJOINS, NodeRecord, Outcome, Plan, RunState, parse
 from agent.roles import Role, Roles
 from agent.stall import Progress
 from agent.store import Entry, Store
+from agent.store_host import StoreHost
 from agent.worker_env import worker_env
 from agent.worker_channel import WorkerChannel
 from agent.warm import WarmPool
@@ -153,8 +154,8 @@ class NodeAgent(Watchdogs):
             await self._channel.start()
             log.info("%s joined job %s (host %s, %d slots)", self.cfg.node, self.cfg.job_id, self.cfg.host,
                      self.cfg.worker.nproc_per_node)
-            self._leader = Leader(self.cfg, self._store, self._lease, self._changes)
-            warm_torch()  # any agent may lead: its first generation's store must not wait for the import
+            self._leader = Leader(self.cfg, self._store, self._lease, self._changes, stores=self._store_host())
+            await self._leader.warm()  # any agent may lead: its first generation's store must not wait for the import
             background = [asyncio.ensure_future(self._keepalive()), asyncio.ensure_future(self._leader.run()),
                           asyncio.ensure_future(self._watchdog()), asyncio.ensure_future(self._stall_watch()),
                           asyncio.ensure_future(self._check_links()),
@@ -180,6 +181,8 @@ class NodeAgent(Watchdogs):
                 for task in stuck:
                     log.error("%s: a background task did not stop within %g s; leaving without it: %r",
                               self.cfg.node, STOP_TASKS_TIMEOUT, task)
+            if self._leader is not None:
+                await self._leader.close()
             await self._changes.close()
             await self._channel.close()
             shutil.rmtree(self._socket_dir, ignore_errors=True)
@@ -194,6 +197,10 @@ class NodeAgent(Watchdogs):
                 self._metrics.close()
             if self._own_log_root:
                 shutil.rmtree(self._log_root, ignore_errors=True)
+
+    def _store_host(self) -> StoreHost:
+        """Where this agent's TCPStores live when it leads: a child process (:mod:`agent.store_host`)."""
+        return StoreHost(self.cfg.host)
 
     def _serve_metrics(self) -> None:
         """``--metrics-port``: Prometheus text on this node's address, named in its node record."""

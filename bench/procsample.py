@@ -116,10 +116,10 @@ def detail_use(before: dict[int, dict], after: dict[int, dict], steps: int) -> d
 
 
 def _kind(argv: list[bytes], script: bytes) -> str:
-    head = argv[1:3]  # python -u SCRIPT (a worker), python -m agent / torch.distributed.run (an agent)
+    head = argv[1:3]  # python -u SCRIPT (a worker); python -m agent (.store_host) or torch.distributed.run (an agent)
     if script in head:
         return "worker"
-    if b"agent" in head or b"torch.distributed.run" in head:
+    if b"agent" in head or b"agent.store_host" in head or b"torch.distributed.run" in head:
         return "agent"
     if argv and os.path.basename(argv[0]) == b"etcd":
         return "etcd"

@@ -174,6 +174,35 @@ def _step() -> int:
     return int(time.monotonic() / STEP_TIME)
 
 
+def _tcp_store(host: str):
+    from torch.distributed import TCPStore
+
+    return TCPStore(host, 0, is_master=True, wait_for_workers=False)
+
+
+class InProcessStores:
+    """The leader's TCPStores made in this process (a thread each), not in a child per agent:
+    a simulation runs up to 1,000 agents in one process."""
+
+    def __init__(self, host: str) -> None:
+        self._host = host
+        self._stores: dict[int, Any] = {}
+
+    async def start(self) -> None:
+        pass
+
+    async def open(self) -> int:
+        store = await asyncio.to_thread(_tcp_store, self._host)  # torch's first import in a thread too
+        self._stores[store.port] = store
+        return store.port
+
+    async def close(self, port: int) -> None:
+        self._stores.pop(port, None)
+
+    async def stop(self) -> None:
+        self._stores.clear()
+
+
 class SimAgent(NodeAgent):
     """A real node agent whose workers are stand-ins; it says (``notify``) when its watch brought
     each generation's plan (``delivered``), when it acted on it (``seen``) and when it first had
@@ -208,6 +237,9 @@ class SimAgent(NodeAgent):
     async def _reconcile(self, plan: Plan) -> bool:
         self._once("seen", plan.gen)
         return await super()._reconcile(plan)
+
+    def _store_host(self) -> InProcessStores:  # type: ignore[override]
+        return InProcessStores(self.cfg.host)
 
     async def _spawn(self, plan: Plan, standby: bool, offset: int) -> StandInGroup:  # type: ignore[override]
         n = self.cfg.worker.nproc_per_node

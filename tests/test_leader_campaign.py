@@ -17,8 +17,11 @@ from agent.memory_store import MemoryStore
 pytestmark = pytest.mark.timeout(60)
 
 
-class FakeTCPStore:
-    port = 40000
+class FakeHost:
+    """The leader's spare store, without a child process."""
+
+    async def open(self) -> int:
+        return 40000
 
 
 async def campaign_once(outcome: bool) -> tuple[bool, list[str]]:
@@ -34,7 +37,7 @@ async def campaign_once(outcome: bool) -> tuple[bool, list[str]]:
             await changes.wait(seen, 5)
     lease = await store.grant_lease(10)
     cfg = AgentConfig(job_id="j", node="node-1", host="127.0.0.1", endpoint="", worker=WorkerSpec(("x",)))
-    leader = leader_mod.Leader(cfg, store, lease, changes)
+    leader = leader_mod.Leader(cfg, store, lease, changes, stores=FakeHost())
     did: list[str] = []
 
     async def lead(mirror) -> None:
@@ -50,11 +53,9 @@ async def campaign_once(outcome: bool) -> tuple[bool, list[str]]:
     return entry is not None and entry.value["node"] == "node-1", did
 
 
-def test_a_free_leader_key_is_taken(monkeypatch):
-    monkeypatch.setattr(leader_mod, "_tcp_store_server", lambda host: FakeTCPStore())
+def test_a_free_leader_key_is_taken():
     assert asyncio.run(asyncio.wait_for(campaign_once(outcome=False), 10)) == (True, ["lead"])
 
 
-def test_no_one_takes_the_leader_key_once_the_job_has_ended(monkeypatch):
-    monkeypatch.setattr(leader_mod, "_tcp_store_server", lambda host: FakeTCPStore())
+def test_no_one_takes_the_leader_key_once_the_job_has_ended():
     assert asyncio.run(asyncio.wait_for(campaign_once(outcome=True), 10)) == (False, ["wait"])

@@ -1,0 +1,182 @@
+"""The leader's TCPStores, hosted in a child process: the agent itself never imports torch.
+
+Each generation's workers rendezvous through a ``torch.distributed.TCPStore`` that the leader
+hosts (``TCPStore(host, 0, is_master=True)``). Importing torch takes seconds, and while its
+libraries load the importing thread holds the GIL. Done in a background thread of the agent (as
+tmrun did until this module), that stalled the agent's event loop: 0.25 s on an idle 2-core
+machine, 1.6 s with two busy processes beside it, 2.5-2.9 s with the thread niced (the niced
+holder of the GIL waits for a core while the event loop waits for the GIL), 9 s at three busy
+processes per core. A lease of 3 s expired in such a stall (CI saw a node that had just joined
+declared lost). In a child process the import costs the agent's loop nothing.
+
+Every agent starts its host at start-up (any agent may lead, and a new leader's first plan must
+not wait for the import); the child imports ``torch.distributed`` in a niced thread, so that the
+import gives way to the workers' start, and serves from its main thread, whose TCPStore server
+threads run at normal priority. It dies with its agent: stdin's end, or SIGKILL on the agent's
+death (``die_with_parent``). About 200 MB of memory per node, as the import in the agent cost.
+
+Protocol: one versioned JSON line each way (nothing pickled). The child says
+``{"v": 1, "ready": true}`` once torch is imported; then ``{"v": 1, "op": "open"}`` is answered
+``{"v": 1, "port": P}`` (a new store) and ``{"v": 1, "op": "close", "port": P}`` is answered
+``{"v": 1, "closed": P}``; a failure is answered ``{"v": 1, "error": "..."}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import threading
+
+from agent.workers import die_with_parent
+
+VERSION = 1
+STOP_TIMEOUT = 5.0  # seconds a host gets to exit after its stdin closes, before SIGKILL
+
+
+class StoreHostError(RuntimeError):
+    """The host could not make or close a store, or it is gone."""
+
+
+class StoreHost:
+    """The agent's side: start the child early, then ask it for stores (one request at a time)."""
+
+    def __init__(self, host: str) -> None:
+        self._host = host
+        self._proc: asyncio.subprocess.Process | None = None
+        self._ready = False
+        self._lock = asyncio.Lock()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    async def start(self) -> None:
+        """Start the child (it imports torch in the background; :meth:`open` waits for that)."""
+        if self._proc is not None and self._proc.returncode is None:
+            return
+        self._ready = False
+        self._proc = await asyncio.create_subprocess_exec(
+            *die_with_parent([sys.executable, "-m", "agent.store_host", self._host]),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, start_new_session=True)
+
+    async def open(self) -> int:
+        """A new TCPStore's port. A host that died is started again (its import is waited for)."""
+        async with self._lock:
+            if self._proc is None or self._proc.returncode is not None:
+                await self.start()
+            reply = await self._ask({"v": VERSION, "op": "open"})
+            return int(reply["port"])
+
+    async def close(self, port: int) -> None:
+        """Stop serving ``port`` (its generation is over); a host that is gone has nothing to close."""
+        async with self._lock:
+            if self._proc is not None and self._proc.returncode is None:
+                await self._ask({"v": VERSION, "op": "close", "port": port})
+
+    async def stop(self) -> None:
+        """End the child: its stdin closes and it exits; SIGKILL after STOP_TIMEOUT."""
+        proc, self._proc = self._proc, None
+        if proc is None or proc.returncode is not None:
+            return
+        assert proc.stdin is not None
+        proc.stdin.close()
+        try:
+            await asyncio.wait_for(proc.wait(), STOP_TIMEOUT)
+        except asyncio.TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+
+    async def _ask(self, request: dict) -> dict:
+        proc = self._proc
+        assert proc is not None and proc.stdin is not None and proc.stdout is not None
+        if not self._ready:
+            self._ready = bool((await self._reply(proc)).get("ready"))
+        try:
+            proc.stdin.write((json.dumps(request) + "\n").encode())
+            await proc.stdin.drain()
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            raise StoreHostError(f"the TCPStore host (pid {proc.pid}) is gone") from exc
+        return await self._reply(proc)
+
+    @staticmethod
+    async def _reply(proc: asyncio.subprocess.Process) -> dict:
+        assert proc.stdout is not None
+        line = await proc.stdout.readline()
+        if not line:
+            code = await proc.wait()
+            raise StoreHostError(f"the TCPStore host (pid {proc.pid}) exited with code {code}")
+        try:
+            reply = json.loads(line)
+        except ValueError:
+            raise StoreHostError(f"the TCPStore host said something that is not JSON: {line[:200]!r}") from None
+        if not isinstance(reply, dict) or reply.get("v") != VERSION:
+            raise StoreHostError(f"the TCPStore host answered in another protocol version: {line[:200]!r}")
+        if "error" in reply:
+            raise StoreHostError(str(reply["error"]))
+        return reply
+
+
+def _import_niced() -> None:
+    """Import torch.distributed in a thread of low priority (Linux: the nice is the thread's only)."""
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        try:
+            import torch.distributed  # noqa: F401
+        except BaseException as exc:  # said by the main thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="tmrun-import-torch")
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+
+
+def _say(message: dict) -> None:
+    sys.stdout.write(json.dumps({"v": VERSION, **message}) + "\n")
+    sys.stdout.flush()
+
+
+def serve(host: str) -> int:
+    """The child: import torch, say so, then make and close stores until stdin ends."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the agent's to handle
+    try:
+        _import_niced()
+        from torch.distributed import TCPStore
+    except Exception as exc:
+        _say({"error": f"importing torch.distributed failed: {exc}"})
+        return 1
+    _say({"ready": True})
+    stores: dict[int, object] = {}
+    for line in sys.stdin:
+        try:
+            request = json.loads(line)
+            if not isinstance(request, dict) or request.get("v") != VERSION:
+                raise ValueError(f"not a version {VERSION} request: {line.strip()[:200]}")
+            if request.get("op") == "open":
+                store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+                stores[store.port] = store
+                _say({"port": store.port})
+            elif request.get("op") == "close":
+                stores.pop(int(request["port"]), None)
+                _say({"closed": int(request["port"])})
+            else:
+                raise ValueError(f"unknown op {request.get('op')!r}")
+        except Exception as exc:  # the agent says it; the host goes on serving
+            _say({"error": f"{type(exc).__name__}: {exc}"})
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.stderr.write("usage: python -m agent.store_host HOST\n")
+        sys.exit(2)
+    sys.exit(serve(sys.argv[1]))
