@@ -16,15 +16,18 @@ threads run at normal priority. It dies with its agent: stdin's end, or SIGKILL 
 death (``die_with_parent``). About 200 MB of memory per node, as the import in the agent cost.
 
 Protocol: one versioned JSON line each way (nothing pickled). The child says
-``{"v": 1, "ready": true}`` once torch is imported; then ``{"v": 1, "op": "open"}`` is answered
-``{"v": 1, "port": P}`` (a new store) and ``{"v": 1, "op": "close", "port": P}`` is answered
-``{"v": 1, "closed": P}``; a failure is answered ``{"v": 1, "error": "..."}``.
+``{"v": 1, "ready": true}`` once torch is imported; then ``{"v": 1, "id": N, "op": "open"}`` is
+answered ``{"v": 1, "id": N, "port": P}`` (a new store) and ``{"v": 1, "id": N, "op": "close",
+"port": P}`` is answered ``{"v": 1, "id": N, "closed": P}``; a failure is answered ``{"v": 1,
+"id": N, "error": "..."}``. The ids pair each answer with its request: a request whose waiter
+was cancelled leaves an answer that the next request skips.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -49,6 +52,7 @@ class StoreHost:
         self._proc: asyncio.subprocess.Process | None = None
         self._ready = False
         self._lock = asyncio.Lock()
+        self._ids = itertools.count(1)
 
     @property
     def pid(self) -> int | None:
@@ -68,24 +72,25 @@ class StoreHost:
         async with self._lock:
             if self._proc is None or self._proc.returncode is not None:
                 await self.start()
-            reply = await self._ask({"v": VERSION, "op": "open"})
+            reply = await self._ask({"op": "open"})
             return int(reply["port"])
 
     async def close(self, port: int) -> None:
         """Stop serving ``port`` (its generation is over); a host that is gone has nothing to close."""
         async with self._lock:
             if self._proc is not None and self._proc.returncode is None:
-                await self._ask({"v": VERSION, "op": "close", "port": port})
+                await self._ask({"op": "close", "port": port})
 
     async def stop(self) -> None:
-        """End the child: its stdin closes and it exits; SIGKILL after STOP_TIMEOUT."""
+        """End the child: its stdin closes and it exits (SIGKILL after STOP_TIMEOUT; at once while
+        it is still importing torch, with no store to serve)."""
         proc, self._proc = self._proc, None
         if proc is None or proc.returncode is not None:
             return
         assert proc.stdin is not None
         proc.stdin.close()
         try:
-            await asyncio.wait_for(proc.wait(), STOP_TIMEOUT)
+            await asyncio.wait_for(proc.wait(), STOP_TIMEOUT if self._ready else 0)
         except asyncio.TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
@@ -95,13 +100,22 @@ class StoreHost:
         proc = self._proc
         assert proc is not None and proc.stdin is not None and proc.stdout is not None
         if not self._ready:
-            self._ready = bool((await self._reply(proc)).get("ready"))
+            said = await self._reply(proc)
+            if "error" in said:  # torch could not be imported
+                raise StoreHostError(str(said["error"]))
+            self._ready = True
+        request_id = next(self._ids)
         try:
-            proc.stdin.write((json.dumps(request) + "\n").encode())
+            proc.stdin.write((json.dumps({"v": VERSION, "id": request_id, **request}) + "\n").encode())
             await proc.stdin.drain()
         except (BrokenPipeError, ConnectionResetError) as exc:
             raise StoreHostError(f"the TCPStore host (pid {proc.pid}) is gone") from exc
-        return await self._reply(proc)
+        while True:  # an answer with an older id was for a request whose waiter was cancelled
+            reply = await self._reply(proc)
+            if reply.get("id") == request_id:
+                if "error" in reply:
+                    raise StoreHostError(str(reply["error"]))
+                return reply
 
     @staticmethod
     async def _reply(proc: asyncio.subprocess.Process) -> dict:
@@ -116,8 +130,6 @@ class StoreHost:
             raise StoreHostError(f"the TCPStore host said something that is not JSON: {line[:200]!r}") from None
         if not isinstance(reply, dict) or reply.get("v") != VERSION:
             raise StoreHostError(f"the TCPStore host answered in another protocol version: {line[:200]!r}")
-        if "error" in reply:
-            raise StoreHostError(str(reply["error"]))
         return reply
 
 
@@ -157,21 +169,23 @@ def serve(host: str) -> int:
     _say({"ready": True})
     stores: dict[int, object] = {}
     for line in sys.stdin:
+        request_id = None
         try:
             request = json.loads(line)
             if not isinstance(request, dict) or request.get("v") != VERSION:
                 raise ValueError(f"not a version {VERSION} request: {line.strip()[:200]}")
+            request_id = request.get("id")
             if request.get("op") == "open":
                 store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
                 stores[store.port] = store
-                _say({"port": store.port})
+                _say({"id": request_id, "port": store.port})
             elif request.get("op") == "close":
                 stores.pop(int(request["port"]), None)
-                _say({"closed": int(request["port"])})
+                _say({"id": request_id, "closed": int(request["port"])})
             else:
                 raise ValueError(f"unknown op {request.get('op')!r}")
         except Exception as exc:  # the agent says it; the host goes on serving
-            _say({"error": f"{type(exc).__name__}: {exc}"})
+            _say({"id": request_id, "error": f"{type(exc).__name__}: {exc}"})
     return 0
 
 

@@ -5,6 +5,7 @@ SIGKILL. Requests that are not version 1 JSON get an error line, not a crash."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ import pytest
 from torch.distributed import TCPStore
 
 from agent.procfs import descendants
+from agent.store_host import StoreHost
 from tests.harness import alive
 
 pytestmark = pytest.mark.timeout(120)
@@ -104,16 +106,45 @@ def test_a_request_that_is_not_version_1_json_is_answered_with_an_error() -> Non
                             stdout=subprocess.PIPE, text=True)
     try:
         assert json.loads(host.stdout.readline()) == {"v": 1, "ready": True}
-        for line in ["not json", json.dumps({"v": 2, "op": "open"}), json.dumps({"v": 1, "op": "fly"})]:
+        for line, request_id in [("not json", None), (json.dumps({"v": 2, "id": 1, "op": "open"}), None),
+                                 (json.dumps({"v": 1, "id": 2, "op": "fly"}), 2)]:
             host.stdin.write(line + "\n")
             host.stdin.flush()
             reply = json.loads(host.stdout.readline())
-            assert reply["v"] == 1 and reply["error"], reply
-        host.stdin.write(json.dumps({"v": 1, "op": "open"}) + "\n")  # it goes on serving
+            assert reply["v"] == 1 and reply["id"] == request_id and reply["error"], reply
+        host.stdin.write(json.dumps({"v": 1, "id": 3, "op": "open"}) + "\n")  # it goes on serving
         host.stdin.flush()
-        assert json.loads(host.stdout.readline())["port"] > 0
+        reply = json.loads(host.stdout.readline())
+        assert reply["id"] == 3 and reply["port"] > 0, reply
         host.stdin.close()
         assert host.wait(30) == 0
     finally:
         host.kill()
         host.wait()
+
+
+def test_an_answer_whose_waiter_was_cancelled_is_not_taken_for_the_next_one() -> None:
+    """Without the ids the next open would take the cancelled one's port, the close after it the
+    open's answer, and the open after that a ``closed`` answer (no port)."""
+
+    async def body() -> None:
+        host = StoreHost("127.0.0.1")
+        await host.start()
+        try:
+            await host.open()  # torch imported: the next requests are answered at once
+            cancelled = asyncio.ensure_future(host.open())
+            await asyncio.sleep(0)  # it runs to its first wait, its answer: the request is written
+            cancelled.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await cancelled
+            second = await host.open()
+            await host.close(second)
+            third = await host.open()
+            assert third != second
+            client(third).set("k", "v")  # the store the answer named
+            with pytest.raises(Exception):  # and the closed one is closed
+                await asyncio.to_thread(client, second)
+        finally:
+            await host.stop()
+
+    asyncio.run(asyncio.wait_for(body(), 60))
