@@ -3,10 +3,10 @@
 Each generation's workers rendezvous through a ``torch.distributed.TCPStore`` that the leader
 hosts (``TCPStore(host, 0, is_master=True)``). Importing torch takes seconds, and while its
 libraries load the importing thread holds the GIL. Done in a background thread of the agent (as
-tmrun did until this module), that stalled the agent's event loop: 0.25 s on an idle 2-core
-machine, 1.6 s with two busy processes beside it, 2.5-2.9 s with the thread niced (the niced
-holder of the GIL waits for a core while the event loop waits for the GIL), 9 s at three busy
-processes per core. A lease of 3 s expired in such a stall (CI saw a node that had just joined
+tmrun did until this module), that stalled the agent's event loop: 0.2 s on an idle 2-core
+machine; with the thread niced, 1.5-2.3 s beside two busy processes of the agent's session and
+6.2-8.0 s beside six (the niced holder of the GIL waits for a core while the event loop waits for
+the GIL). A lease of 3 s expired in such a stall (CI saw a node that had just joined a job
 declared lost). In a child process the import costs the agent's loop nothing.
 
 Every agent starts its host at start-up (any agent may lead, and a new leader's first plan must

@@ -2,12 +2,13 @@
 # Every benchmark, one after the other, with the settings docs/benchmarks.md reports.
 # Each runs as python bench/X.py (python -m bench.X works as well) and takes the lock, so that
 # nothing else this repository starts competes for the cores.
-# Usage: bash bench/run_all.sh   (about 120 minutes on 2 cores; results in bench/results, plots in docs/bench)
+# Usage: bash bench/run_all.sh   (about 130 minutes on 2 cores; results in bench/results, plots in docs/bench)
 set -u
 cd "$(dirname "$0")/.."
 run() { echo "== python bench/$*"; flock /tmp/tmrun-bench.lock python "bench/$@" || echo "!! bench/$1 failed"; }
 run steady_state.py --sizes 5M
 run agent_cpu.py --params 1M --window 60 --repeats 2
+run agent_loop_stall.py --repeats 3
 run planned_migration.py --sizes 5M,50M
 run unplanned_failure.py --sizes 5M,50M
 run transfer_limit.py --sizes 5M,50M
