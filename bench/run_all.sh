@@ -9,6 +9,7 @@ run() { echo "== python bench/$*"; flock /tmp/tmrun-bench.lock python "bench/$@"
 run steady_state.py --sizes 5M
 run agent_cpu.py --params 1M --window 60 --repeats 2
 run agent_loop_stall.py --repeats 3
+run kill_teardown.py --repeats 5
 run planned_migration.py --sizes 5M,50M
 run unplanned_failure.py --sizes 5M,50M
 run transfer_limit.py --sizes 5M,50M
