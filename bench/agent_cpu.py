@@ -88,10 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         for label, conf in CONFIGS.items():
             runs[label].append(measure(label, conf, args))
     rows = [summary(label, found) for label, found in runs.items()]
-    common.print_table("control plane CPU while training", COLUMNS, rows)
-    common.save("agent_cpu", {"settings": vars(args), "runs": runs, "rows": rows, "columns": COLUMNS})
-    print(common.md_table(COLUMNS, rows))
-    return 0
+    return common.finish_table("agent_cpu", "control plane CPU while training", COLUMNS, rows,
+                               {"settings": vars(args), "runs": runs})
 
 
 if __name__ == "__main__":

@@ -83,41 +83,26 @@ def probe(way: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def busy(n: int, own_session: bool) -> list[subprocess.Popen]:
-    return [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=own_session)
-            for _ in range(n)]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = common.Parser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=common.count(1), default=3, help="runs per way and load (default 3)")
-    p.add_argument("--loads", default="0,2,6", help="busy processes beside the probe, comma-separated (default 0,2,6)")
+    p.add_argument("--loads", type=common.int_list, default=[0, 2, 6],
+                   help="busy processes beside the probe, comma-separated (default 0,2,6)")
     args = p.parse_args(argv)
-    try:
-        loads = [int(x) for x in args.loads.split(",")]
-    except ValueError:
-        p.error(f"--loads {args.loads!r}: expected integers separated by commas")
     runs: dict[str, list[dict]] = {}
-    for load, session in [(n, s) for n in loads for s in (("own", "the probe's") if n else ("-",))]:
-        hogs = busy(load, session == "own")
-        try:
+    for load, session in [(n, s) for n in args.loads for s in (("own", "the probe's") if n else ("-",))]:
+        with common.busy_processes(load, own_session=session == "own"):
             for _ in range(args.repeats):  # interleaved: each way once, then again
                 for way in WAYS:
                     runs.setdefault(f"{load}|{session}|{way}", []).append(probe(way))
-        finally:
-            for hog in hogs:
-                hog.kill()
-                hog.wait()
     rows = []
     for key, found in runs.items():
         load, session, way = key.split("|")
         late = [r["worst_late_ms"] for r in found]
         rows.append([int(load), session, way, ", ".join(f"{x:g}" for x in late), statistics.median(late),
                      statistics.median(r["ready_s"] for r in found), "yes" if found[0]["torch_in_agent"] else "no"])
-    common.print_table("agent event loop while torch is imported", COLUMNS, rows)
-    common.save("agent_loop_stall", {"settings": vars(args), "runs": runs, "rows": rows, "columns": COLUMNS})
-    print(common.md_table(COLUMNS, rows))
-    return 0
+    return common.finish_table("agent_loop_stall", "agent event loop while torch is imported", COLUMNS, rows,
+                               {"settings": vars(args), "runs": runs})
 
 
 if __name__ == "__main__":

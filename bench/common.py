@@ -17,6 +17,7 @@ Results go to ``bench/results/<name>.json`` (with the machine and the command) a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import multiprocessing
@@ -32,7 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, NoReturn, Sequence
+from typing import Any, Callable, Iterable, Iterator, NoReturn, Sequence
 
 from agent import procfs
 
@@ -351,6 +352,31 @@ def count(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def int_list(text: str) -> list[int]:
+    """An argparse type: comma-separated integers >= 0."""
+    try:
+        values = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas: {text!r}") from None
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected integers >= 0 separated by commas: {text!r}")
+    return values
+
+
+@contextlib.contextmanager
+def busy_processes(n: int, own_session: bool = True) -> Iterator[None]:
+    """``n`` Python processes spinning on the CPU while the block runs (each in a session of its
+    own, as an agent's workers are, or in this process's)."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=own_session)
+            for _ in range(n)]
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
 def size_label(text: str) -> str:
     """An argparse type: ``5M``, ``50m``, ``500k``, ``1e6`` -> a label train_gpt.py's --params accepts."""
     if not re.fullmatch(r"[0-9]*\.?[0-9]+(e[0-9]+)?[kKmMgGbB]?", text.strip()):
@@ -392,6 +418,15 @@ def write_markdown(name: str, heading: str, intro: str, tables: list[tuple[str, 
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
     return path
+
+
+def finish_table(name: str, title: str, columns: Sequence[str], rows: list[Sequence[Any]], doc: dict[str, Any]) -> int:
+    """The end of a one-table benchmark: the table on the terminal, ``bench/results/<name>.json``
+    (``doc`` with the rows and columns), and the table again as Markdown for docs/benchmarks.md."""
+    print_table(title, columns, rows)
+    save(name, {**doc, "rows": rows, "columns": list(columns)})
+    print(md_table(columns, rows))
+    return 0
 
 
 def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:

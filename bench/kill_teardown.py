@@ -43,29 +43,18 @@ def once(mib: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     p = common.Parser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=common.count(1), default=5, help="kills per case (default 5)")
-    p.add_argument("--mib", default="0,150", help="MiB of tensors, comma-separated (default 0,150)")
+    p.add_argument("--mib", type=common.int_list, default=[0, 150],
+                   help="MiB of tensors, comma-separated (default 0,150)")
     args = p.parse_args(argv)
-    try:
-        sizes = [int(x) for x in args.mib.split(",")]
-    except ValueError:
-        p.error(f"--mib {args.mib!r}: expected integers separated by commas")
     rows, runs = [], {}
     for load in (0, 2):
-        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
-                for _ in range(load)]
-        try:
-            for mib in sizes:
+        with common.busy_processes(load):
+            for mib in args.mib:
                 found = [round(once(mib), 1) for _ in range(args.repeats)]
                 runs[f"{load}|{mib}"] = found
                 rows.append([load, mib, ", ".join(f"{x:g}" for x in found), round(statistics.median(found), 1)])
-        finally:
-            for hog in hogs:
-                hog.kill()
-                hog.wait()
-    common.print_table("kill -9 → the exit seen by the parent", COLUMNS, rows)
-    common.save("kill_teardown", {"settings": vars(args), "runs": runs, "rows": rows, "columns": COLUMNS})
-    print(common.md_table(COLUMNS, rows))
-    return 0
+    return common.finish_table("kill_teardown", "kill -9 → the exit seen by the parent", COLUMNS, rows,
+                               {"settings": vars(args), "runs": runs})
 
 
 if __name__ == "__main__":

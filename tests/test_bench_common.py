@@ -112,6 +112,23 @@ def test_sizes_and_counts_parse_as_every_benchmark_takes_them(capsys: pytest.Cap
         with pytest.raises(SystemExit):
             parser.parse_args(bad)
         assert said in capsys.readouterr().err
+    parser.add_argument("--loads", type=common.int_list)
+    assert parser.parse_args(["--loads", "0, 2,6"]).loads == [0, 2, 6]
+    for bad in ("1,a", "-1", ","):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--loads", bad])
+        assert "expected integers" in capsys.readouterr().err
+
+
+def test_busy_processes_spin_in_their_own_sessions_during_the_block_only() -> None:
+    from agent.procfs import descendants
+    from tests.harness import alive
+
+    before = descendants(os.getpid())  # a session's etcd may be running under this process
+    with common.busy_processes(2):
+        hogs = descendants(os.getpid()) - before
+        assert len(hogs) == 2 and all(os.getsid(pid) == pid for pid in hogs)
+    assert not any(alive(pid) for pid in hogs)
 
 
 def test_a_markdown_section_has_the_command_the_tables_the_targets_and_the_images(tmp_path: Path,
