@@ -295,4 +295,9 @@ def test_a_worker_failing_after_the_last_step_fails_the_job(jobs, tmp_path):
     assert "OSError: [Errno 28] No space left on device: 'final.pt'" in err, err[-4000:]
     ended = re.search(r"tmrun: job \S+ (succeeded|failed): (.*)", err)
     assert ended and ended[1] == "failed", err[-4000:]
-    assert "node-0 worker rank 0 exited with code 1" in ended[2], ended[0]
+    # The script leaves without run.finish(), its process group alive: torch's teardown can then
+    # abort the interpreter after the traceback (gloo's threads still hold tensors when Python
+    # finalizes; pytorch/pytorch#179291), and the exit code is SIGABRT's, said as such.
+    aborted = "terminate called without an active exception" in err
+    said = "node-0 worker rank 0 killed by signal 6" if aborted else "node-0 worker rank 0 exited with code 1"
+    assert said in ended[2], ended[0]
