@@ -33,7 +33,8 @@ comes back to the pool as a standby (``out`` says ``rejoining`` until it is pick
 Which node is to blame (the culprit rule): a failure in one place usually makes every peer's
 collective fail a moment later, so a plain non-zero exit is ambiguous. A lost lease or a worker
 killed by a signal is taken as the cause at once; otherwise the leader waits ``failure_window``
-seconds for such a clearer cause and then blames the node that reported first.
+seconds for such a clearer cause and then blames the node that reported first. A link that both
+of its ends report cut is a clearer cause: the link rule decides when it can replace a node.
 
 The end of the job: it succeeds when every member's workers exited 0 in the current generation.
 A worker that fails after the job's last step (in the script's epilogue: a final save, a last
@@ -337,6 +338,11 @@ def _on_failure(cluster: Cluster, plan: Plan, limits: Limits, clock: Clock) -> D
     if lost or killed:
         culprits = lost + killed
     else:
+        # Collectives that failed beside a cut link between members failed for it (they time out
+        # on the cut link): the link says which node leaves, not the first report of a failure.
+        cut = _on_link_cut(cluster, plan, limits, clock) if cut_links(cluster, plan) else None
+        if cut is not None and cut.action is Action.START:
+            return cut
         since = clock.failure_since if clock.failure_since is not None else clock.now
         deadline = since + limits.failure_window
         if len(failed) < len(plan.members) and clock.now < deadline:

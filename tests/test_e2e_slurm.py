@@ -409,7 +409,9 @@ def test_a_cut_link_takes_one_end_out_and_the_node_is_used_again_once_it_is_back
         after = wait_status(ref, lambda d: d["generation"] >= 2 and d["state"] == "running"
                             and all(n["state"] == "running" for n in d["nodes"] if n["role"] == "active"), 90)
         roles = {n["node"]: n["role"] for n in after["nodes"]}
-        assert roles[victim] == "cut-off" and roles[standby] == "active", after
+        assert roles[victim] == "cut-off" and roles[standby] == "active", (
+            f"cut {keep} <-> {victim}; roles {roles}; the job's events: "
+            f"{[(r['kind'], r.get('text')) for r in wait_events(ref, lambda rows: True, 10)][-6:]}")
         assert after["mode"] == "swap-now" and after["restarts"] == 0 and after["hot_swaps"] == 1, after
         cut = [r for r in wait_events(ref, lambda rows: any(r["kind"] == "link" for r in rows), 30)
                if r["kind"] == "link"]
