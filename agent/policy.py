@@ -340,7 +340,7 @@ def _on_failure(cluster: Cluster, plan: Plan, limits: Limits, clock: Clock) -> D
     else:
         # Collectives that failed beside a cut link between members failed for it (they time out
         # on the cut link): the link says which node leaves, not the first report of a failure.
-        cut = _on_link_cut(cluster, plan, limits, clock) if cut_links(cluster, plan) else None
+        cut = _on_link_cut(cluster, plan, limits, clock)  # None without a cut pair
         if cut is not None and cut.action is Action.START:
             return cut
         since = clock.failure_since if clock.failure_since is not None else clock.now
