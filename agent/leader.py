@@ -313,7 +313,8 @@ class Leader:
 
     async def _event(self, decision: Decision, gen: int, **data: Any) -> None:
         record = EventRecord(self._wall(), decision.kind or decision.action.value, decision.reason, gen,
-                             {"members": list(decision.members), "out": dict(decision.out), **data})
+                             {"members": list(decision.members), "out": dict(decision.out),
+                              "leader": self._cfg.node, **data})
         await append_event(self._store, self._keys, time.time_ns(), record, known=self._known_events())
 
     def _known_events(self) -> list[str] | None:

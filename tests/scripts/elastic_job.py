@@ -57,7 +57,7 @@ def main() -> None:
             (loss * share.weight).backward()
             taken.append(share.index)
             loss_sum += loss.item()
-        pause = args.step_time + gate.held(args, step)
+        pause = gate.pause(args, step)
         if pause:
             time.sleep(pause)  # workload, so that a test can act while the job runs
         if run.commit():

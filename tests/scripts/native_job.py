@@ -114,7 +114,7 @@ def main() -> None:
     run.track(model=model, optimizer=opt)
     for step in run.steps(total=args.steps):
         x, y = batch(step, run.rank)
-        pace = args.step_time + gate.held(args, step)
+        pace = gate.pause(args, step)
         if pace:
             time.sleep(pace)  # pacing: a step's compute, so that faults land inside the run
         loss = F.mse_loss(call(x), y)

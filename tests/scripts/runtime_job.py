@@ -2,6 +2,7 @@
 
 Usage: python runtime_job.py OUT.pt [--steps N] [--plain-ddp] [--latch-at STEP:RANK] [--exit-at STEP:RANK]
 [--step-time S] [--hold-from N --gate FILE] (the steps from N on are slower until FILE exists: gate.py)
+[--fast-when FILE] (--step-time paces the steps until FILE exists: gate.py)
 Prints one JSON line per event on stdout: {"step": s, "committed": bool} and a final summary.
 """
 
@@ -121,7 +122,7 @@ def main() -> None:
         x, y = _batch(step, run.rank)
         noise = torch.rand(1)  # RNG use inside the step: a retry must see the same value
         F.mse_loss(ddp(x) + 0 * noise, y).backward()
-        pause = args.step_time + gate.held(args, step)
+        pause = gate.pause(args, step)
         if pause:
             time.sleep(pause)  # workload, so that a test can act while the job runs
         if latch == (step, run.rank) and tried[step] == 1:
