@@ -46,8 +46,9 @@ def _etcd_pid(job) -> int:
 @pytest.mark.timeout(240)
 def test_local_etcd_killed_mid_run_is_restarted_and_training_never_stops(jobs, tmp_path, tmp_path_factory):
     reference = _reference(tmp_path_factory, 2, STEPS)
+    acted = tmp_path / "acted"  # the steps left after the drain run unpaced (gate.py)
     job = jobs(["--nnodes", "2", "--standby", "1", "--rdzv-conf", FAST, str(JOB), str(tmp_path / "final.pt"),
-                "--steps", str(STEPS), *PACE])
+                "--steps", str(STEPS), *PACE, "--fast-when", str(acted)])
     ref = job_ref(job)
     ready = wait_status(ref, lambda d: d["hot_swap"] and any(n["state"] == "shadow" for n in d["nodes"]), 90)
     job.track()
@@ -65,6 +66,7 @@ def test_local_etcd_killed_mid_run_is_restarted_and_training_never_stops(jobs, t
 
     drained = run_tmrun(["drain", "node-1"], cwd=tmp_path, timeout=120)  # and the job still obeys
     assert drained.returncode == 0 and "hot swap" in drained.stderr, drained.stderr
+    acted.touch()
     assert job.wait(150) == 0, job.err.text()[-4000:]
     assert_same_weights(tmp_path / "final.pt", reference)
     committed: dict[int, list[int]] = {}

@@ -31,7 +31,17 @@ STEPS = 120
 PACE = ["--step-time", "0.08"]
 
 
+_REFERENCES: dict[tuple[int, int], Path] = {}  # (world, steps) -> weights: one torchrun per test process
+
+
 def _reference(tmp_path_factory, world: int, steps: int = STEPS) -> Path:
+    """runtime_job.py's weights after ``steps`` uninterrupted steps on ``world`` ranks (torchrun)."""
+    if (world, steps) not in _REFERENCES:
+        _REFERENCES[world, steps] = _train_reference(tmp_path_factory, world, steps)
+    return _REFERENCES[world, steps]
+
+
+def _train_reference(tmp_path_factory, world: int, steps: int) -> Path:
     out = tmp_path_factory.mktemp(f"ref{world}") / "ref.pt"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_", "TMRUN_"))}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
@@ -235,8 +245,9 @@ def test_drains_during_a_swap_of_a_standby_and_rejoin(jobs, tmp_path, tmp_path_f
     and the job ends with the weights of an uninterrupted run."""
     steps = 400
     reference = _reference(tmp_path_factory, 2, steps)
+    acted = tmp_path / "acted"  # the steps left once the drains are answered run unpaced (gate.py)
     job = jobs(["--nnodes", "2", "--standby", "2", "--rdzv-conf", FAST, str(JOB), str(tmp_path / "final.pt"),
-                "--steps", str(steps), *PACE])
+                "--steps", str(steps), *PACE, "--fast-when", str(acted)])
     ref = job_ref(job)
     ready = wait_status(ref, lambda d: d["hot_swap"] and sum(1 for n in d["nodes"] if n["state"] == "shadow") == 2, 90)
     job.track()
@@ -265,6 +276,7 @@ def test_drains_during_a_swap_of_a_standby_and_rejoin(jobs, tmp_path, tmp_path_f
     empty = wait_status(ref, lambda d: d["standby_pool"] == 0, 30)
     assert empty["state"] == "running" and empty["generation"] == 3, empty  # two swaps, no restart
 
+    acted.touch()
     assert job.wait(200) == 0, job.err.text()[-4000:]
     assert_same_weights(tmp_path / "final.pt", reference)
     committed: dict[int, list[int]] = {}
