@@ -123,6 +123,12 @@ class Job:
         self.proc.wait(10)
 
 
+def fast_gate(directory: Path) -> Path:
+    """The file that ends a paced job's pacing (``--fast-when``, tests/scripts/gate.py): a test
+    creates it once it has acted, and the steps left only have to reach the end."""
+    return directory / "acted"
+
+
 def job_ref(job: "Job", timeout: float = 60.0) -> JobRef:
     """The job's id and endpoint, from the line tmrun prints once etcd is up and the runtime file exists."""
     match = job.err.wait_for(r"job (\S+): \d+ agents, etcd at (\S+)", timeout)

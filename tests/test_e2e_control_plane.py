@@ -22,7 +22,7 @@ import pytest
 from agent.etcd_server import EmbeddedEtcd
 from agent.keys import JobKeys
 from agent.procfs import descendants
-from tests.harness import FAST, alive, assert_same_weights, job_ref, job_store, run_tmrun, wait_status
+from tests.harness import FAST, alive, assert_same_weights, fast_gate, job_ref, job_store, run_tmrun, wait_status
 from tests.test_e2e_hot_swap import JOB, PACE, _events, _reference
 
 pytestmark = pytest.mark.e2e
@@ -46,7 +46,7 @@ def _etcd_pid(job) -> int:
 @pytest.mark.timeout(240)
 def test_local_etcd_killed_mid_run_is_restarted_and_training_never_stops(jobs, tmp_path, tmp_path_factory):
     reference = _reference(tmp_path_factory, 2, STEPS)
-    acted = tmp_path / "acted"  # the steps left after the drain run unpaced (gate.py)
+    acted = fast_gate(tmp_path)  # the steps left after the drain run unpaced (gate.py)
     job = jobs(["--nnodes", "2", "--standby", "1", "--rdzv-conf", FAST, str(JOB), str(tmp_path / "final.pt"),
                 "--steps", str(STEPS), *PACE, "--fast-when", str(acted)])
     ref = job_ref(job)

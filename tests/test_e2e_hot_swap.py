@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from agent.history import history_path, load_history
-from tests.harness import FAST, assert_same_weights, job_ref, run_tmrun, wait_status
+from tests.harness import FAST, assert_same_weights, fast_gate, job_ref, run_tmrun, wait_status
 
 pytestmark = pytest.mark.e2e
 
@@ -245,7 +245,7 @@ def test_drains_during_a_swap_of_a_standby_and_rejoin(jobs, tmp_path, tmp_path_f
     and the job ends with the weights of an uninterrupted run."""
     steps = 400
     reference = _reference(tmp_path_factory, 2, steps)
-    acted = tmp_path / "acted"  # the steps left once the drains are answered run unpaced (gate.py)
+    acted = fast_gate(tmp_path)  # the steps left once the drains are answered run unpaced (gate.py)
     job = jobs(["--nnodes", "2", "--standby", "2", "--rdzv-conf", FAST, str(JOB), str(tmp_path / "final.pt"),
                 "--steps", str(steps), *PACE, "--fast-when", str(acted)])
     ref = job_ref(job)

@@ -31,7 +31,7 @@ import pytest
 from agent.etcd_cluster import layout_for
 from agent.slurm import SlurmAllocation
 from tests.chaos import check_commits
-from tests.harness import FAST, assert_same_weights, job_store, run_tmrun, wait_events, wait_status
+from tests.harness import FAST, assert_same_weights, fast_gate, job_store, run_tmrun, wait_events, wait_status
 from tests.slurm_cluster import SlurmCluster, wait_for
 from tests.test_e2e_hot_swap import JOB, _events, _reference
 from tmrun.jobs import JobRef
@@ -112,11 +112,6 @@ def submit_runtime_job(slurm: SlurmCluster, workdir: Path, steps: int = STEPS, s
               f"--rdzv-conf {conf} {JOB} {workdir / 'final.pt'} --steps {steps} --step-time {step_time} "
               f"--fast-when {fast_gate(workdir)}\n")
     return slurm.sbatch(script, nodes=4, workdir=workdir, args=["--no-kill"], env={"PYTHONUNBUFFERED": "1"})
-
-
-def fast_gate(workdir: Path) -> Path:
-    """The file that ends a runtime job's pacing: the test has done what it came to do."""
-    return workdir / "acted"
 
 
 def steps_logged(path: Path) -> list[int]:
