@@ -8,6 +8,11 @@ compare-and-set on ``plan``, waits until its copy shows its own writes, and wait
 change or the decision's deadline. Nodes' progress reports change no decision and wake nobody.
 A campaigning agent looks again only when the ``leader`` key changes. The leader hosts the
 torch TCPStore of each generation it starts, in a child process (:mod:`agent.store_host`).
+
+Each plan names a deputy (:func:`deputy`): the agent that starts its store host ahead of need and,
+when the leadership falls vacant, campaigns at once; the others campaign ``DEPUTY_HEAD_START``
+later, so that the next leader is one whose first plan does not wait for torch's import. A deputy
+that is gone costs the others that head start, and the winner its import.
 """
 
 from __future__ import annotations
@@ -37,6 +42,13 @@ log = logging.getLogger("tmrun.leader")
 RETRY = 1.0  # seconds before looking again while etcd is unavailable
 CATCH_UP = 2.0  # seconds the leader waits for its own writes to show in its copy of the keys
 KEEP_STORES = 3  # TCPStores of past generations kept open (a late worker may still read its own)
+DEPUTY_HEAD_START = 0.5  # seconds a vacant leadership is left to the deputy before the others campaign
+
+
+def deputy(plan: Plan) -> str | None:
+    """Who leads next if the leader goes: the plan's first member other than its leader (members
+    train; a standby may be the next one swapped in and out). None: the plan has no such member."""
+    return next((member for member in plan.members if member != plan.leader), None)
 
 
 def read_cluster(keys: JobKeys, entries: dict[str, Entry], parsed: dict[str, tuple[int, Any]] | None = None,
@@ -108,6 +120,9 @@ class Leader:
         self._parsed: dict[str, tuple[int, Any]] = {}
         self._mirror: Mirror | None = None
         self._spare: asyncio.Future | None = None  # the next generation's TCPStore, being made or made
+        self._deputy: str | None = None  # as the last plan this agent read names it
+        self._vacant_since: float | None = None  # when this agent, not the deputy, found no leader
+        self._warming: asyncio.Future | None = None
         self.is_leader = False
         # When this agent last failed to reach etcd (monotonic; its keepalive and follower set it):
         # the copy's watch may stall silently in an outage, and keys may vanish right after one.
@@ -145,10 +160,14 @@ class Leader:
         if mine:  # this agent's term was cut by an etcd error while its key lived on: lead again
             log.info("%s leads job %s again", self._cfg.node, self._cfg.job_id)
         elif current is None and not self._job_ended() and not await self._drain_pending():
+            if await self._defer_to_deputy(seen):
+                return
             record = {"v": 1, "node": self._cfg.node, "host": self._cfg.host, "since": self._wall()}
             mine = await self._store.create(self._keys.leader, record, lease=self.lease)
             if mine:
                 log.info("%s leads job %s", self._cfg.node, self._cfg.job_id)
+        if current is not None or mine:
+            self._vacant_since = None
         if mine:
             self.is_leader = True
             self._make_spare()
@@ -161,6 +180,28 @@ class Leader:
                 await self._mirror.close()
             return
         await self._leader_changed(seen)
+
+    async def _defer_to_deputy(self, seen: int) -> bool:
+        """True while a vacant leadership is still the deputy's to take: this agent waits for a
+        change (the deputy's key) or the rest of ``DEPUTY_HEAD_START``, then looks again."""
+        if self._deputy is None or self._deputy == self._cfg.node:
+            return False
+        now = self._clock()
+        if self._vacant_since is None:
+            self._vacant_since = now
+        left = self._vacant_since + DEPUTY_HEAD_START - now
+        if left <= 0:
+            return False
+        await self._changes.wait(seen, left)
+        return True
+
+    def follow(self, plan: Plan) -> None:
+        """The plan this agent just read: if it names this agent the deputy, its store host starts
+        now (the import takes seconds of one core, in a niced child)."""
+        self._deputy = deputy(plan)
+        if self._deputy == self._cfg.node and (self._warming is None or self._warming.done()):
+            self._warming = asyncio.ensure_future(self._stores.start())
+            self._warming.add_done_callback(lambda task: task.cancelled() or task.exception())
 
     async def _leader_changed(self, seen: int) -> None:
         """Wait until the ``leader`` key changes (or the watch was away): the shared watch also
@@ -320,15 +361,11 @@ class Leader:
     def _known_events(self) -> list[str] | None:
         return None if self._mirror is None else self._mirror.keys_under(self._keys.events)
 
-    async def warm(self) -> None:
-        """Start this agent's TCPStore host (:mod:`agent.store_host`) now: any agent may lead, and
-        a new leader's first plan must not wait for torch's import."""
-        await self._stores.start()
-
     async def close(self) -> None:
         """The agent stops: its stores go (the generations they served end with this node)."""
-        if self._spare is not None:
-            self._spare.cancel()
+        for task in (self._spare, self._warming):
+            if task is not None:
+                task.cancel()
         await self._stores.stop()
 
     async def _new_tcp_store(self) -> int:

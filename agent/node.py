@@ -155,7 +155,6 @@ class NodeAgent(Watchdogs):
             log.info("%s joined job %s (host %s, %d slots)", self.cfg.node, self.cfg.job_id, self.cfg.host,
                      self.cfg.worker.nproc_per_node)
             self._leader = Leader(self.cfg, self._store, self._lease, self._changes, stores=self._store_host())
-            await self._leader.warm()  # any agent may lead: its first generation's store must not wait for the import
             background = [asyncio.ensure_future(self._keepalive()), asyncio.ensure_future(self._leader.run()),
                           asyncio.ensure_future(self._watchdog()), asyncio.ensure_future(self._stall_watch()),
                           asyncio.ensure_future(self._check_links()),
@@ -395,6 +394,8 @@ class NodeAgent(Watchdogs):
             return self._plan
         self._plan_rev = seen.revision if entry is None and seen is not None else (entry.mod_revision if entry else 0)
         self._plan = parse(Plan, entry)
+        if self._plan is not None and self._leader is not None:
+            self._leader.follow(self._plan)  # the plan's deputy starts its store host
         return self._plan
 
     async def _reregister(self, expired: int) -> None:

@@ -9,11 +9,13 @@ machine; with the thread niced, 1.5-2.3 s beside two busy processes of the agent
 the GIL). A lease of 3 s expired in such a stall (CI saw a node that had just joined a job
 declared lost). In a child process the import costs the agent's loop nothing.
 
-Every agent starts its host at start-up (any agent may lead, and a new leader's first plan must
-not wait for the import); the child imports ``torch.distributed`` in a niced thread, so that the
-import gives way to the workers' start, and serves from its main thread, whose TCPStore server
-threads run at normal priority. It dies with its agent: stdin's end, or SIGKILL on the agent's
-death (``die_with_parent``). About 200 MB of memory per node, as the import in the agent cost.
+Two agents of a job run a host: the leader (from its election) and its deputy, the agent the
+current plan names to lead next (:func:`agent.leader.deputy`), which campaigns first when the
+leadership falls vacant, so that a new leader's first plan does not wait for the import. The
+others never import torch: 1.4 s of CPU and about 200 MB of memory per node saved. The child
+imports ``torch.distributed`` in a niced thread, so that the import gives way to the workers'
+start, and serves from its main thread, whose TCPStore server threads run at normal priority. It
+dies with its agent: stdin's end, or SIGKILL on the agent's death (``die_with_parent``).
 
 Protocol: one versioned JSON line each way (nothing pickled). The child says
 ``{"v": 1, "ready": true}`` once torch is imported; then ``{"v": 1, "id": N, "op": "open"}`` is
@@ -51,7 +53,8 @@ class StoreHost:
         self._host = host
         self._proc: asyncio.subprocess.Process | None = None
         self._ready = False
-        self._lock = asyncio.Lock()
+        self._lock = asyncio.Lock()  # one request at a time
+        self._spawning = asyncio.Lock()  # one child at a time, whoever starts it
         self._ids = itertools.count(1)
 
     @property
@@ -59,13 +62,15 @@ class StoreHost:
         return self._proc.pid if self._proc else None
 
     async def start(self) -> None:
-        """Start the child (it imports torch in the background; :meth:`open` waits for that)."""
-        if self._proc is not None and self._proc.returncode is None:
-            return
-        self._ready = False
-        self._proc = await asyncio.create_subprocess_exec(
-            *die_with_parent([sys.executable, "-m", "agent.store_host", self._host]),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, start_new_session=True)
+        """Start the child unless it runs (it imports torch in the background; :meth:`open` waits
+        for that)."""
+        async with self._spawning:
+            if self._proc is not None and self._proc.returncode is None:
+                return
+            self._ready = False
+            self._proc = await asyncio.create_subprocess_exec(
+                *die_with_parent([sys.executable, "-m", "agent.store_host", self._host]),
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, start_new_session=True)
 
     async def open(self) -> int:
         """A new TCPStore's port. A host that died is started again (its import is waited for)."""

@@ -120,11 +120,17 @@ def test_kill_leader_agent(jobs, tmp_path, reference):
     job.track()
     old_leader = before["leader"]
     agent_pid = next(r for r in before["nodes"] if r["node"] == old_leader)["agent_pid"]
+    # the plan's deputy (its first member other than the leader) and the leader host TCPStores; the standby never imports torch
+    deputy = min((r for r in before["nodes"] if r["ranks"] and r["node"] != old_leader), key=lambda r: r["ranks"])["node"]
+    hosting = {r["node"] for r in before["nodes"] if running(descendants(r["agent_pid"]), "agent.store_host")}
+    assert hosting == {old_leader, deputy}, (hosting, before["nodes"])
     os.kill(agent_pid, signal.SIGKILL)
 
     after = wait_status(ref, lambda d: d["leader"] not in (None, old_leader) and d["generation"] >= 2
                         or d["state"] == "succeeded", 60)
     assert after["leader"] != old_leader
+    if after["state"] == "running":  # the deputy campaigned first (the standby DEPUTY_HEAD_START later)
+        assert after["leader"] == deputy, (after["leader"], deputy)
     job.track()
     assert job.wait(120) == 0, job.err.text()[-3000:]
     assert_same_weights(tmp_path / "final.pt", reference)
