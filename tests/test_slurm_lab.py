@@ -129,6 +129,34 @@ def test_job_steps_run_the_venv_python_with_torch_and_tmrun(slurm: SlurmCluster)
         assert probe_env == "reached"
 
 
+# The reverse lookups torch's TCPStore makes of each peer (an IPv4-mapped address), and one of
+# /etc/hosts' own names: "HOST SECONDS ANSWER" per lookup.
+LOOKUPS = r"""
+import socket, time
+for address in ("::ffff:10.77.0.12", "::1", "10.77.0.12"):
+    start = time.monotonic()
+    try:
+        answer = socket.getnameinfo((address, 80, 0, 0) if ":" in address else (address, 80), 0)[0]
+    except socket.gaierror as exc:
+        answer = f"error{exc.errno}"
+    print(socket.gethostname(), address, round(time.monotonic() - start, 3), answer)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_name_that_etc_hosts_does_not_answer_fails_at_once_on_a_node(slurm: SlurmCluster):
+    """The host's name server cannot be reached from a node: the lab's resolv.conf fails at once
+    instead of waiting 10 s per lookup (which every TCPStore connection paid; up.sh)."""
+    job = slurm.sbatch(f"srun {sys.executable} -c {shlex.quote(LOOKUPS)}\n", nodes=4)
+    assert slurm.wait_job(job, 60) == "COMPLETED", slurm.output(job)
+    rows = [line.split() for line in slurm.output(job).splitlines()]
+    assert len(rows) == 12, rows
+    for node, address, seconds, answer in rows:
+        assert float(seconds) < 2, (node, address, seconds)  # glibc's default wait for a silent server: 10 s
+        if address == "10.77.0.12":  # /etc/hosts still answers what it holds
+            assert answer == "node2", (node, address, answer)
+
+
 @pytest.mark.timeout(60)
 def test_job_steps_reach_a_server_on_another_node_over_tcp(slurm: SlurmCluster):
     server = start_server(slurm, "node1", PORT)

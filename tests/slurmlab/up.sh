@@ -181,8 +181,14 @@ done
 # node-exec NODE CMD...: run CMD "on" NODE: its netns + UTS ns, plus a private
 # mount ns where /sys is re-mounted for the netns (so /sys/class/net shows the
 # node's own interfaces, like `ip netns exec`) but /sys/fs/cgroup is the host's
-# (slurmd 22.05 always initialises its cgroup plugin and dies without it).
+# (slurmd 22.05 always initialises its cgroup plugin and dies without it), and
+# /etc/resolv.conf is the lab's: the host's name server cannot be reached from a
+# node, so every lookup that /etc/hosts does not answer (a reverse lookup of an
+# IPv4-mapped address, as torch's TCPStore makes per connection to log its peer)
+# waited 10 s for it; the lab's points at the node's own loopback, where nothing
+# listens, and fails at once, as a reachable server without the name would.
 mkdir -p "$LAB/ns/cgmnt"
+printf '# the SLURM lab nodes: no name server (see up.sh)\nnameserver 127.0.0.1\n' > "$LAB/etc/resolv.conf"
 cat > "$LAB/node-exec" <<'EOF'
 #!/bin/sh
 # usage: node-exec NODE CMD [ARGS...]   (or on-NODE CMD [ARGS...])
@@ -197,7 +203,9 @@ exec nsenter --uts="$LAB/ns/$n.uts" --net="/run/netns/$n" \
     umount -l /sys
     mount -t sysfs sysfs /sys
     mount --move "$0" /sys/fs/cgroup
-    exec "$@"' "$LAB/ns/cgmnt" "$@"
+    mount --bind "$1" /etc/resolv.conf
+    shift
+    exec "$@"' "$LAB/ns/cgmnt" "$LAB/etc/resolv.conf" "$@"
 EOF
 chmod +x "$LAB/node-exec"
 T_NET=$(date +%s.%N)
