@@ -135,8 +135,10 @@ def test_hot_swap_schedule(schedule: Schedule, jobs, tmp_path, references):
     rng = random.Random(schedule.seed)
     step = rng.randrange(15, 45)
     script = [arg.replace("{step}", str(step)) for arg in schedule.script]
+    acted = fast_gate(tmp_path)  # the steps left once the swap was seen run unpaced (gate.py)
     job = jobs(["--nnodes", str(schedule.nodes), "--standby", str(schedule.standby), "--rdzv-conf", FAST + schedule.conf,
-                str(JOB), str(tmp_path / "final.pt"), "--steps", str(STEPS), *PACE, *script])
+                str(JOB), str(tmp_path / "final.pt"), "--steps", str(STEPS), *PACE, "--fast-when", str(acted),
+                *script])
     ref = job_ref(job)
     wait_status(ref, lambda d: d["hot_swap"] and sum(1 for n in d["nodes"] if n["state"] == "shadow")
                 == schedule.standby, 90)
@@ -168,6 +170,7 @@ def test_hot_swap_schedule(schedule: Schedule, jobs, tmp_path, references):
                 links = rows[joiner]["links"]
                 assert all(rate > 0 for rate in links.values()), rows[joiner]
                 assert set(links) <= set(rows) - {joiner}, links
+    acted.touch()
     assert job.wait(150) == 0, job.err.text()[-4000:]
     swap = None
     if final["mode"].startswith("swap"):  # the swap's event, with its timings, from the job's history

@@ -40,7 +40,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
-GPT_STEPS = 100
+GPT_STEPS = 60  # a swap after step 10: 50 steps of 3 ranks and a standby on the lab's 2 shared cores
 GPT = ["--params", "1M", "--steps", str(GPT_STEPS), "--log-every", "10", "--threads", "1"]
 STEPS = 700  # runtime_job.py steps for the control-plane tests (0.1 s each)
 
@@ -224,11 +224,11 @@ def members(slurm: SlurmCluster, job_id: int) -> list[tuple[str, bool]]:
 
 
 def start_gpt(slurm: SlurmCluster, prefix: str) -> tuple[Path, int, JobRef, dict]:
-    """train.sbatch submitted, training warm (a standby shadow-trains, 20 steps done): the status."""
+    """train.sbatch submitted, training warm (a standby shadow-trains, 10 steps done): the status."""
     workdir = slurm.workdir(prefix)
     job_id = submit_gpt(slurm, workdir)
     ref, _ = wait_hot(slurm, job_id)
-    wait_for(lambda: len(steps_logged(workdir / "steps.jsonl")) >= 20, 120, "20 steps")
+    wait_for(lambda: len(steps_logged(workdir / "steps.jsonl")) >= 10, 120, "10 steps")
     return workdir, job_id, ref, wait_status(ref, lambda d: True, 10)
 
 
