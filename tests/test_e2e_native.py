@@ -53,29 +53,40 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def references(tmp_path_factory) -> dict[tuple[str, int], Path]:
-    """The same script with plain torch under torchrun, once per (mode, world size)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_", "TMRUN_"))}
-    outs = {}
-    for mode, world in sorted({(case.mode, case.nodes) for case in CASES}):
-        out = tmp_path_factory.mktemp(f"native-{mode}{world}") / "ref.pt"
+class References(dict):
+    """The same script with plain torch under torchrun, per (mode, world size), trained the first
+    time a test of this worker asks for it (the tests of a mode may all run on the other one)."""
+
+    def __init__(self, tmp_path_factory) -> None:
+        super().__init__()
+        self._tmp = tmp_path_factory
+
+    def __missing__(self, key: tuple[str, int]) -> Path:
+        mode, world = key
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_", "TMRUN_"))}
+        out = self._tmp.mktemp(f"native-{mode}{world}") / "ref.pt"
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                                str(world), str(JOB), str(out), "--mode", mode, "--steps", str(STEPS), "--torch"],
                               capture_output=True, text=True, timeout=150, env=env)
         assert done.returncode == 0, done.stderr[-3000:]
-        outs[mode, world] = out
-    return outs
+        self[key] = out
+        return out
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory) -> References:
+    return References(tmp_path_factory)
 
 
 def _start_warm(jobs, tmp_path: Path, flags: list[str], mode: str, nodes: int, step: int):
     """A job of the native script on ``nodes`` nodes and one standby: once the standby is warm and
     ``step`` was committed, the job, its ref and its status (the nodes' ranks and worker pids).
     The steps from ``step`` on are slower until the test calls :func:`_acted` (gate.py), so that on
-    a loaded machine the job cannot end before its standby is warm or before the test acted."""
+    a loaded machine the job cannot end before its standby is warm or before the test acted; they
+    go unpaced once the test saw the next generation (:func:`_next_seen`)."""
     job = jobs(["--nnodes", str(nodes), "--standby", "1", *flags, "--rdzv-conf", FAST,
                 str(JOB), str(tmp_path / "final.pt"), "--mode", mode, "--steps", str(STEPS), *PACE,
-                "--hold-from", str(step), "--gate", str(tmp_path / "acted")])
+                "--hold-from", str(step), "--gate", str(tmp_path / "acted"), "--fast-when", str(_next_file(tmp_path))])
     ref = job_ref(job)
     wait_status(ref, lambda d: d["hot_swap"] and any(n["state"] == "shadow" for n in d["nodes"]), 120)
     job.out.wait_for(rf'"step": {step}, "committed"', 120)
@@ -87,6 +98,15 @@ def _start_warm(jobs, tmp_path: Path, flags: list[str], mode: str, nodes: int, s
 def _acted(tmp_path: Path) -> None:
     """The test did what it started the job for: the job's steps go at their pace again."""
     (tmp_path / "acted").touch()
+
+
+def _next_file(tmp_path: Path) -> Path:
+    return tmp_path / "next-seen"  # --fast-when (gate.py)
+
+
+def _next_seen(tmp_path: Path) -> None:
+    """The test saw the generation its action led to: the steps left only have to reach the end."""
+    _next_file(tmp_path).touch()
 
 
 def _kill(doc: dict, rank: int) -> dict:
@@ -108,6 +128,7 @@ def test_native_parallelism_hot_swap(case: Case, jobs, tmp_path, references):
         target = _kill(doc, case.rank)
     _acted(tmp_path)
     final = wait_status(ref, lambda d: d["generation"] >= 2 or d["state"] != "running", 150)
+    _next_seen(tmp_path)
     job.track()
     assert job.wait(180) == 0, job.err.text()[-4000:]
     assert final["restarts"] == 0 and final["hot_swaps"] == 1, final  # a swap, not a restart
@@ -134,9 +155,11 @@ def test_fsdp_kill_9_without_a_replica_restarts_and_says_why(jobs, tmp_path, ref
     """FSDP2's shards have no replica: after a SIGKILL the survivors refuse to train on the standby's
     shadow shard (``StateLost``), the leader's decision says so, and the job restarts (the script has
     no checkpoint: it trains again from step 0 and ends with the uninterrupted run's weights)."""
-    job, _, doc = _start_warm(jobs, tmp_path, ["--max-restarts", "1"], "fsdp", 4, 20)
+    job, ref, doc = _start_warm(jobs, tmp_path, ["--max-restarts", "1"], "fsdp", 4, 20)
     _kill(doc, 2)
     _acted(tmp_path)
+    wait_status(ref, lambda d: d["generation"] >= 2 or d["state"] != "running", 150)
+    _next_seen(tmp_path)
     assert job.wait(200) == 0, job.err.text()[-4000:]
     err = job.err.text()
     assert "StateLost: no surviving rank holds rank 2's copy of /model/" in err, err[-4000:]
@@ -157,6 +180,7 @@ def test_fsdp_kill_9_with_redundancy_rolls_back_and_swaps_without_a_restart(jobs
     _kill(doc, 2)
     _acted(tmp_path)
     final = wait_status(ref, lambda d: d["generation"] >= 2 or d["state"] != "running", 150)
+    _next_seen(tmp_path)
     job.track()
     assert job.wait(180) == 0, job.err.text()[-4000:]
     assert final["restarts"] == 0 and final["hot_swaps"] == 1, final
