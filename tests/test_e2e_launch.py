@@ -120,8 +120,10 @@ def test_kill_leader_agent(jobs, tmp_path, reference):
     job.track()
     old_leader = before["leader"]
     agent_pid = next(r for r in before["nodes"] if r["node"] == old_leader)["agent_pid"]
-    # the plan's deputy (its first member other than the leader) and the leader host TCPStores; the standby never imports torch
-    deputy = min((r for r in before["nodes"] if r["ranks"] and r["node"] != old_leader), key=lambda r: r["ranks"])["node"]
+    # the leader and the plan's deputy (its first member other than the leader) host TCPStores;
+    # the standby never imports torch
+    members = [r for r in before["nodes"] if r["ranks"] and r["node"] != old_leader]
+    deputy = min(members, key=lambda r: r["ranks"])["node"]
     hosting = {r["node"] for r in before["nodes"] if running(descendants(r["agent_pid"]), "agent.store_host")}
     assert hosting == {old_leader, deputy}, (hosting, before["nodes"])
     os.kill(agent_pid, signal.SIGKILL)
