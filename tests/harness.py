@@ -125,8 +125,9 @@ class Job:
 
 def fast_gate(directory: Path) -> Path:
     """The file that ends a paced job's pacing (``--fast-when``, tests/scripts/gate.py): a test
-    creates it once it has acted, and the steps left only have to reach the end."""
-    return directory / "acted"
+    creates it once it has acted, and the steps left only have to reach the end. (Not ``acted``:
+    a test may also hold its job's steps with ``--gate`` on a file of its own.)"""
+    return directory / "unpaced"
 
 
 def job_ref(job: "Job", timeout: float = 60.0) -> JobRef:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import FAST, assert_same_weights, job_ref, run_tmrun, wait_status
+from tests.harness import FAST, assert_same_weights, fast_gate, job_ref, run_tmrun, wait_status
 from tests.test_e2e_hot_swap import _assert_each_step_committed_once, _events
 
 pytestmark = pytest.mark.e2e
@@ -83,10 +83,10 @@ def _start_warm(jobs, tmp_path: Path, flags: list[str], mode: str, nodes: int, s
     ``step`` was committed, the job, its ref and its status (the nodes' ranks and worker pids).
     The steps from ``step`` on are slower until the test calls :func:`_acted` (gate.py), so that on
     a loaded machine the job cannot end before its standby is warm or before the test acted; they
-    go unpaced once the test saw the next generation (:func:`_next_seen`)."""
+    go unpaced once the test saw the next generation and opened ``fast_gate`` (gate.py)."""
     job = jobs(["--nnodes", str(nodes), "--standby", "1", *flags, "--rdzv-conf", FAST,
                 str(JOB), str(tmp_path / "final.pt"), "--mode", mode, "--steps", str(STEPS), *PACE,
-                "--hold-from", str(step), "--gate", str(tmp_path / "acted"), "--fast-when", str(_next_file(tmp_path))])
+                "--hold-from", str(step), "--gate", str(tmp_path / "acted"), "--fast-when", str(fast_gate(tmp_path))])
     ref = job_ref(job)
     wait_status(ref, lambda d: d["hot_swap"] and any(n["state"] == "shadow" for n in d["nodes"]), 120)
     job.out.wait_for(rf'"step": {step}, "committed"', 120)
@@ -98,15 +98,6 @@ def _start_warm(jobs, tmp_path: Path, flags: list[str], mode: str, nodes: int, s
 def _acted(tmp_path: Path) -> None:
     """The test did what it started the job for: the job's steps go at their pace again."""
     (tmp_path / "acted").touch()
-
-
-def _next_file(tmp_path: Path) -> Path:
-    return tmp_path / "next-seen"  # --fast-when (gate.py)
-
-
-def _next_seen(tmp_path: Path) -> None:
-    """The test saw the generation its action led to: the steps left only have to reach the end."""
-    _next_file(tmp_path).touch()
 
 
 def _kill(doc: dict, rank: int) -> dict:
@@ -128,7 +119,7 @@ def test_native_parallelism_hot_swap(case: Case, jobs, tmp_path, references):
         target = _kill(doc, case.rank)
     _acted(tmp_path)
     final = wait_status(ref, lambda d: d["generation"] >= 2 or d["state"] != "running", 150)
-    _next_seen(tmp_path)
+    fast_gate(tmp_path).touch()  # the next generation was seen
     job.track()
     assert job.wait(180) == 0, job.err.text()[-4000:]
     assert final["restarts"] == 0 and final["hot_swaps"] == 1, final  # a swap, not a restart
@@ -159,7 +150,7 @@ def test_fsdp_kill_9_without_a_replica_restarts_and_says_why(jobs, tmp_path, ref
     _kill(doc, 2)
     _acted(tmp_path)
     wait_status(ref, lambda d: d["generation"] >= 2 or d["state"] != "running", 150)
-    _next_seen(tmp_path)
+    fast_gate(tmp_path).touch()  # the next generation was seen
     assert job.wait(200) == 0, job.err.text()[-4000:]
     err = job.err.text()
     assert "StateLost: no surviving rank holds rank 2's copy of /model/" in err, err[-4000:]
@@ -180,7 +171,7 @@ def test_fsdp_kill_9_with_redundancy_rolls_back_and_swaps_without_a_restart(jobs
     _kill(doc, 2)
     _acted(tmp_path)
     final = wait_status(ref, lambda d: d["generation"] >= 2 or d["state"] != "running", 150)
-    _next_seen(tmp_path)
+    fast_gate(tmp_path).touch()  # the next generation was seen
     job.track()
     assert job.wait(180) == 0, job.err.text()[-4000:]
     assert final["restarts"] == 0 and final["hot_swaps"] == 1, final
