@@ -38,6 +38,12 @@ class JobKeys:
         return self.root + "outcome"
 
     @property
+    def viewer(self) -> str:
+        """Present while someone follows the job live (``tmrun top``, on a lease): the agents then
+        report their workers' progress every second instead of every few."""
+        return self.root + "viewer"
+
+    @property
     def requests(self) -> str:
         return self.root + "requests/"
 

@@ -5,7 +5,7 @@ prefix for each decision would cost the job's size per change. A :class:`Mirror`
 once and applies each watch event to its copy, so a decision costs no etcd request at all, and
 the copy is as current as the watch.
 
-Nodes report their training progress (``run.step``, ``run.step_time``) about once a second;
+Nodes report their training progress (``run.step``, ``run.step_time``) every few seconds;
 that changes no decision, so such a change updates the copy without waking the leader
 (:func:`progress_only`). Everything else wakes it through :meth:`Mirror.wait`.
 

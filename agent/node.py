@@ -78,8 +78,11 @@ RETRY = 1.0  # seconds between attempts to reach etcd while it is unreachable
 # without an error (a member stopped and resumed, removed, partitioned) must not leave the agent
 # waiting for an outcome it would never hear of.
 LOOK_AGAIN = 5.0
-PROGRESS_REPORT = 1.0  # seconds between reports that only carry the workers' progress (at least)
-PROGRESS_WRITES = 100.0  # progress reports a second, all nodes together, past PROGRESS_REPORT's
+# Seconds between reports that only carry the workers' progress (at least): PROGRESS_VIEWED while
+# someone follows the job live (``tmrun top`` holds the job's ``viewer`` key), PROGRESS_REPORT else.
+PROGRESS_REPORT = 10.0
+PROGRESS_VIEWED = 1.0
+PROGRESS_WRITES = 100.0  # progress reports a second, all nodes together, past the above
 STOP_TASKS_TIMEOUT = 10.0  # seconds the agent's background tasks get to end once cancelled
 REVOKE_TIMEOUT = 0.5  # seconds a leaving agent tries to revoke its lease (else it expires by itself)
 WARM_DELAY = 5.0  # seconds after its workers start before a node starts warm interpreters (--warm-start)
@@ -95,7 +98,8 @@ class NodeAgent(Watchdogs):
         self._lease = 0
         # What a follower looks at: not the other nodes' records, so that a node's report wakes nobody else.
         self._changes = Changes(store, [self._keys.plan, self._keys.outcome, self._keys.leader,
-                                        self._keys.etcd_member(cfg.node)])
+                                        self._keys.etcd_member(cfg.node), self._keys.viewer])
+        self._viewed_at_start = False  # the viewer key existed when the watch started
         self._plan: Plan | None = None  # the plan last read, at mod_revision self._plan_rev (0: none)
         self._plan_rev = 0
         self._looked_at, self._looked_reconnects = 0.0, 0  # the last full look at etcd (see _full_look_due)
@@ -149,7 +153,8 @@ class NodeAgent(Watchdogs):
             self._lease = await self._store.grant_lease(self.cfg.timeouts.lease_ttl)
             if not await self._store.create(self._keys.node(self.cfg.node), self._record().to_dict(), lease=self._lease):
                 raise ConfigError(f"node name {self.cfg.node!r} is already in use in job {self.cfg.job_id}")
-            _, revision = await self._store.stat(self._keys.plan)
+            viewer, _, revision = await self._store.get_and_stat(self._keys.viewer, self._keys.plan)
+            self._viewed_at_start = viewer is not None
             await self._changes.start(revision + 1)
             await self._channel.start()
             log.info("%s joined job %s (host %s, %d slots)", self.cfg.node, self.cfg.job_id, self.cfg.host,
@@ -624,17 +629,26 @@ class NodeAgent(Watchdogs):
 
     def _report_progress(self, urgent: bool) -> None:
         """Report the workers' step now and then (each of them says it once a second): the leader
-        decides nothing on it, ``tmrun status`` shows it. Every PROGRESS_REPORT seconds, and
-        less often in a large job, so that all nodes together write about PROGRESS_WRITES a second."""
+        decides nothing on it, ``tmrun status`` and ``tmrun top`` show it. Every PROGRESS_REPORT
+        seconds, every PROGRESS_VIEWED while ``tmrun top`` follows the job, and less often in a
+        large job, so that all nodes together write about PROGRESS_WRITES a second."""
         now = time.monotonic()
         nodes = len(self._plan.members) if self._plan is not None else 1
-        every = max(PROGRESS_REPORT, nodes / PROGRESS_WRITES)
+        every = max(PROGRESS_VIEWED if self._viewed() else PROGRESS_REPORT, nodes / PROGRESS_WRITES)
         if urgent or now - self._progress_reported >= every:
             self._progress_reported = now
+            if self._progress_timer is not None:
+                self._progress_timer.cancel()
+                self._progress_timer = None
             self._dirty.set()
         elif self._progress_timer is None:
             self._progress_timer = asyncio.get_running_loop().call_later(
                 every - (now - self._progress_reported), self._flush_progress)
+
+    def _viewed(self) -> bool:
+        """Whether someone follows the job live: the ``viewer`` key as the watch last saw it."""
+        seen = self._changes.latest(self._keys.viewer)
+        return self._viewed_at_start if seen is None else seen.value is not None
 
     def _flush_progress(self) -> None:
         self._progress_timer = None

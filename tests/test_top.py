@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shlex
@@ -13,26 +14,68 @@ from typing import Callable
 
 import pytest
 
-from tests.harness import FAST, job_ref, run_tmrun, wait_status
+from agent.keys import JobKeys
+from tests.harness import FAST, TMRUN, job_ref, job_store, run_tmrun, wait_status
 from tests.slurm_cluster import wait_for
 from tests.test_e2e_hot_swap import JOB
 
 pytestmark = pytest.mark.timeout(30)
 
 
+def _reported(ref, node: str, *, seconds: float = 0.0, top: list[str] | None = None, cwd: Path | None = None):
+    """The steps ``node``'s agent wrote into its record (a watch on the job's etcd) for ``seconds``,
+    or while ``tmrun top`` with ``top``'s arguments ran; with that run's output and exit code, and
+    whether the job's ``viewer`` key was left behind."""
+    async def go():
+        store = job_store(ref.endpoint, retry_deadline=5)
+        keys = JobKeys(ref.job)
+        steps: list[int] = []
+        try:
+            _, revision = await store.stat(keys.node(node))
+            watch = await store.watch_prefix(keys.node(node), start_revision=revision + 1)
+
+            async def collect() -> None:
+                async for event in watch:
+                    if event.value is not None and event.value["run"]["step"] not in steps[-1:]:
+                        steps.append(event.value["run"]["step"])
+
+            collecting = asyncio.ensure_future(collect())
+            if top is None:
+                await asyncio.wait([collecting], timeout=seconds)
+                out, code = b"", None
+            else:
+                proc = await asyncio.create_subprocess_exec(*TMRUN, "top", *top, "--job", ref.job, cwd=cwd,
+                                                            stdout=asyncio.subprocess.PIPE,
+                                                            stderr=asyncio.subprocess.PIPE)
+                out, err = await asyncio.wait_for(proc.communicate(), 60)
+                code = proc.returncode
+                assert code == 0, err.decode()
+            await watch.cancel()
+            await collecting
+            return steps, out.decode(), await store.get(keys.viewer)
+        finally:
+            await store.close()
+
+    return asyncio.run(go())
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(150)
 def test_json_frames_show_nodes_step_rates_and_events(jobs, tmp_path: Path) -> None:
     job = jobs(["--nnodes", "2", "--standby", "1", "--metrics-port", "0", "--rdzv-conf", FAST, str(JOB),
-                str(tmp_path / "final.pt"), "--steps", "400", "--step-time", "0.05"])
+                str(tmp_path / "final.pt"), "--steps", "600", "--step-time", "0.05"])
     ref = job_ref(job)
     wait_status(ref, lambda d: d["hot_swap"] and all(n["step"] for n in d["nodes"] if n["role"] == "active"), 90)
-    # a node's step reaches etcd about once a second (the worker says it once a second, the agent
-    # passes it on at most once a second): 4 s between the first and the last frame see it move
-    done = run_tmrun(["top", "--json", "--count", "3", "--interval", "2", "--job", ref.job], cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
-    frames = [json.loads(line) for line in done.stdout.splitlines()]
-    assert len(frames) == 3 and all(f["v"] == 1 and f["job"] == ref.job and f["state"] == "running" for f in frames)
+    # Nobody watching, an agent writes its workers' step every 10 s (the workers tell it each second).
+    quiet, _, _ = _reported(ref, "node-0", seconds=6.0)
+    assert len(quiet) <= 1, quiet
+    # While top runs, it holds the viewer key and the agents write the step each second: the frames
+    # see it move, and the key goes with top.
+    viewed, out, viewer = _reported(ref, "node-0", top=["--json", "--count", "6", "--interval", "1"], cwd=tmp_path)
+    assert len(viewed) >= 3 and viewed == sorted(viewed), viewed
+    assert viewer is None
+    frames = [json.loads(line) for line in out.splitlines()]
+    assert len(frames) == 6 and all(f["v"] == 1 and f["job"] == ref.job and f["state"] == "running" for f in frames)
     first, last = frames[0], frames[-1]
     assert all(0 < f["steps_per_s"] <= 1 / 0.05 for f in frames), frames  # at most the script's pace
     roles = {n["node"]: n["role"] for n in last["nodes"]}

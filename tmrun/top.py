@@ -3,7 +3,8 @@
 Each refresh reads what ``tmrun status`` and ``tmrun events`` read (the job's keys, one prefix
 read each), and turns the step time each node's workers last reported into a rate (the job's:
 its slowest member's; steps themselves are reported about once a second, too coarse to count
-between refreshes). It ends when the job does (the last frame says how) or on Ctrl-C; ``--count
+between refreshes). While it runs it holds the job's ``viewer`` key on a lease (:class:`Viewer`):
+that is what makes the agents report each second; nobody watching, they report every 10 s. It ends when the job does (the last frame says how) or on Ctrl-C; ``--count
 N`` stops after N frames.
 
 The frame (``--json``, schema 1): ``v``, ``at`` (Unix time), ``job``, ``state``, ``generation``,
@@ -18,6 +19,7 @@ state at, measured by the receiving agent in a switch) and ``events`` (the last 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import time
 from typing import Any, Callable
@@ -26,11 +28,15 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from agent.errors import StoreError
+from agent.keys import JobKeys
 from agent.store import Store
 from tmrun import admin
 
 SCHEMA = 1
 EVENTS = 8  # the most recent events a frame shows
+VIEWER_TTL = 10  # seconds the viewer key outlives a view that ended without taking it away
+RELEASE_TIMEOUT = 1.0  # seconds a view that ends tries to take the viewer key away
 
 
 def frame(doc: dict[str, Any], events: list[dict[str, Any]]) -> dict[str, Any]:
@@ -58,17 +64,58 @@ def _links(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {"measured": bool(matrix), "matrix": dict(sorted(matrix.items()))}
 
 
+class Viewer:
+    """The job's ``viewer`` key, held on a lease of its own while a view runs.
+
+    The agents watch the key and report their workers' progress each second while it exists
+    (every 10 s otherwise: nobody reads it more often). A view that cannot write it (etcd away,
+    a user without write access) goes on; it shows the slower reports.
+    """
+
+    def __init__(self, store: Store, job: str) -> None:
+        self._store = store
+        self._key = JobKeys(job).viewer
+        self._lease = 0
+        self._refreshed = 0.0
+
+    async def hold(self) -> None:
+        """Put the key on first use, then keep its lease alive (a third of its TTL at most apart)."""
+        now = time.monotonic()
+        try:
+            if not self._lease:
+                self._lease = await self._store.grant_lease(VIEWER_TTL)
+                await self._store.put(self._key, {"v": 1, "at": time.time()}, lease=self._lease)
+                self._refreshed = now
+            elif now - self._refreshed >= VIEWER_TTL / 3:
+                await self._store.refresh_lease(self._lease)
+                self._refreshed = now
+        except StoreError:  # gone or refused: the next refresh puts the key again
+            self._lease = 0
+
+    async def release(self) -> None:
+        """Take the key away now (else its lease expires VIEWER_TTL seconds later)."""
+        lease, self._lease = self._lease, 0
+        if lease:
+            with contextlib.suppress(StoreError, asyncio.TimeoutError):
+                await asyncio.wait_for(self._store.revoke_lease(lease), RELEASE_TIMEOUT)
+
+
 async def follow(store: Store, job: str, interval: float, count: int | None,
                  emit: Callable[[dict[str, Any]], None]) -> None:
     """Emit a frame every ``interval`` seconds until the job ends (that frame included) or ``count``."""
     shown = 0
-    while True:
-        doc = await admin.status(store, job)
-        emit(frame(doc, await admin.events(store, job)))
-        shown += 1
-        if doc["state"] not in ("running", "starting") or (count is not None and shown >= count):
-            return
-        await asyncio.sleep(interval)
+    viewer = Viewer(store, job)
+    try:
+        while True:
+            doc = await admin.status(store, job)  # raises JobNotFound before anything is written
+            emit(frame(doc, await admin.events(store, job)))
+            shown += 1
+            if doc["state"] not in ("running", "starting") or (count is not None and shown >= count):
+                return
+            await viewer.hold()
+            await asyncio.sleep(interval)
+    finally:
+        await viewer.release()
 
 
 _ROLE_STYLE = {"active": "green", "standby": "cyan", "draining": "yellow", "drained": "dim",
