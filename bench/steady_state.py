@@ -26,7 +26,9 @@ other Python threads such as tmrun's agent-channel reader and ``alive`` heartbea
 the window (``/proc/<pid>/smaps``: ``[heap]``, glibc's main arena; other anonymous mappings; mapped
 files).
 
-Ratios against torchrun+DDP, with targets: throughput >= 99 %, peak RSS within +1 %; and "active
+Ratios against torchrun+DDP, with targets: throughput >= 99 % (the mean of each repeat's ratio, with a
+95 % confidence interval: the runs of one repeat follow each other, so drift between repeats
+cancels), peak RSS within +1 %; and "active
 workers hold no second copy of the state for the swap": the actives' peak RSS with a standby
 present within +1 % of without one.
 
@@ -290,6 +292,19 @@ def main(argv: list[str] | None = None) -> int:
     return report(name, sizes, results, args)
 
 
+T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23}  # t, 2-sided
+
+
+def paired(per: dict[str, list[dict]], run: str) -> dict:
+    """``run``'s throughput against torchrun's, paired by repeat: the runs of one repeat follow each
+    other, so the machine's drift between repeats (which the plain means carry) cancels. The mean
+    of the per-repeat ratios, and the half-width of its 95% confidence interval (t, n - 1)."""
+    ratios = [r["steps_per_s"] / b["steps_per_s"] for r, b in zip(per[run], per["torchrun+DDP"])]
+    n = len(ratios)
+    half = (T95.get(n - 1, 1.96) * statistics.stdev(ratios) / n ** 0.5) if n > 1 else None
+    return {"mean": statistics.mean(ratios), "half": half, "ratios": ratios}
+
+
 def _mean(values):
     values = [v for v in values if v is not None]
     return statistics.mean(values) if values else None
@@ -375,9 +390,14 @@ def report(name: str, sizes: list[str], results: dict, args) -> int:
             targets.append({"size": size, "target": what, "measured": measured, "met": bool(met), "reason": reason})
 
         for run in ("tmrun", "tmrun+standby"):
-            ratio = agg[run]["throughput_ratio"]
             a = agg[run]
-            tgt(f"{size} {run} throughput >= 99% of torchrun+DDP", f"{ratio:.2%}", ratio >= TARGET_THROUGHPUT,
+            pair = a["paired"] = paired(per, run)
+            ratio = pair["mean"]
+            interval = (f" ± {pair['half']:.2%} (95%, {len(pair['ratios'])} repeats: "
+                        + ", ".join(f"{x:.2%}" for x in pair["ratios"]) + ")") if pair["half"] is not None else ""
+            tgt(f"{size} {run} throughput >= 99% of torchrun+DDP", f"{ratio:.2%}{interval}", ratio >= TARGET_THROUGHPUT,
+                "the mean of each repeat's ratio; the ratio of the means "
+                f"{a['throughput_ratio']:.2%}: "
                 f"{a['steps_per_s']:.3f} vs {base['steps_per_s']:.3f} steps/s (standard error of a window's mean "
                 f"step {noise:.1%}" + (f", repeats spread {max(x['spread'] or 0 for x in agg.values()):.1%}"
                                         if args.repeats > 1 else "") +
