@@ -4,8 +4,9 @@ Each refresh reads what ``tmrun status`` and ``tmrun events`` read (the job's ke
 read each), and turns the step time each node's workers last reported into a rate (the job's:
 its slowest member's; steps themselves are reported about once a second, too coarse to count
 between refreshes). While it runs it holds the job's ``viewer`` key on a lease (:class:`Viewer`):
-that is what makes the agents report each second; nobody watching, they report every 10 s. It ends when the job does (the last frame says how) or on Ctrl-C; ``--count
-N`` stops after N frames.
+that is what makes the agents report each second; with nobody watching they report every 10 s.
+It ends when the job does (the last frame says how) or on Ctrl-C; ``--count N`` stops after N
+frames.
 
 The frame (``--json``, schema 1): ``v``, ``at`` (Unix time), ``job``, ``state``, ``generation``,
 ``world_size``, ``hot_swaps``, ``restarts``, ``standby_pool``, ``leader``, ``steps_per_s`` (the
@@ -21,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import math
 import time
 from typing import Any, Callable
 
@@ -35,7 +37,7 @@ from tmrun import admin
 
 SCHEMA = 1
 EVENTS = 8  # the most recent events a frame shows
-VIEWER_TTL = 10  # seconds the viewer key outlives a view that ended without taking it away
+VIEWER_TTL = 10  # seconds (at least) the viewer key outlives a view that ended without taking it away
 RELEASE_TIMEOUT = 1.0  # seconds a view that ends tries to take the viewer key away
 
 
@@ -72,9 +74,10 @@ class Viewer:
     a user without write access) goes on; it shows the slower reports.
     """
 
-    def __init__(self, store: Store, job: str) -> None:
+    def __init__(self, store: Store, job: str, interval: float) -> None:
         self._store = store
         self._key = JobKeys(job).viewer
+        self._ttl = max(VIEWER_TTL, math.ceil(3 * interval))  # outlives the wait between two refreshes
         self._lease = 0
         self._refreshed = 0.0
 
@@ -83,17 +86,17 @@ class Viewer:
         now = time.monotonic()
         try:
             if not self._lease:
-                self._lease = await self._store.grant_lease(VIEWER_TTL)
+                self._lease = await self._store.grant_lease(self._ttl)
                 await self._store.put(self._key, {"v": 1, "at": time.time()}, lease=self._lease)
                 self._refreshed = now
-            elif now - self._refreshed >= VIEWER_TTL / 3:
+            elif now - self._refreshed >= self._ttl / 3:
                 await self._store.refresh_lease(self._lease)
                 self._refreshed = now
         except StoreError:  # gone or refused: the next refresh puts the key again
             self._lease = 0
 
     async def release(self) -> None:
-        """Take the key away now (else its lease expires VIEWER_TTL seconds later)."""
+        """Take the key away now (else its lease expires by itself)."""
         lease, self._lease = self._lease, 0
         if lease:
             with contextlib.suppress(StoreError, asyncio.TimeoutError):
@@ -104,7 +107,7 @@ async def follow(store: Store, job: str, interval: float, count: int | None,
                  emit: Callable[[dict[str, Any]], None]) -> None:
     """Emit a frame every ``interval`` seconds until the job ends (that frame included) or ``count``."""
     shown = 0
-    viewer = Viewer(store, job)
+    viewer = Viewer(store, job, interval)
     try:
         while True:
             doc = await admin.status(store, job)  # raises JobNotFound before anything is written
