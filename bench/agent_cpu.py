@@ -3,9 +3,12 @@ link checks on (the default, one TCP handshake to each member a second) and off 
 
 One job of ``examples/train_gpt.py``, 2 nodes and 1 standby (the steady-state benchmark's
 settings), per configuration and repeat: once the standby is warm, the CPU time of each agent
-(its main thread: the asyncio loop; gRPC's ``event_engine`` threads; the rest), of etcd and of
-the standby's worker over ``--window`` seconds, from ``/proc/<pid>/task/*/stat``. CPU time, not
-wall clock: it does not depend on how fast the machine happens to be, only on what wakes up.
+(its main thread: the asyncio loop; gRPC's ``event_engine`` threads; the rest), of etcd, of the
+standby's worker and of the two store hosts (the leader's and its deputy's TCPStore hosts) over
+``--window`` seconds, from ``/proc/<pid>/task/*/stat``. CPU time, not wall clock: it depends on
+what wakes up, much less on how fast the machine happens to be (though on a shared virtual
+machine the same work costs more CPU time when the neighbours are busy: compare runs made in
+the same hour).
 
     python bench/agent_cpu.py --params 1M --window 60 --repeats 2
 """
@@ -25,7 +28,7 @@ from bench.procsample import CLK_TCK, ProcSampler, thread_cpu  # noqa: E402
 
 CONFIGS = {"link checks on (1 s)": "link_check=1", "link checks off": "link_check=0"}
 COLUMNS = ["configuration", "agents (ms/s, each)", "agents: main thread", "agents: gRPC threads", "agents: other",
-           "etcd (ms/s)", "standby worker (ms/s)", "control plane (cores)"]
+           "etcd (ms/s)", "standby worker (ms/s)", "store hosts (ms/s, both)", "control plane (cores)"]
 
 
 def _threads(pids: list[int]) -> dict[int, dict[str, int]]:
@@ -42,7 +45,9 @@ def measure(label: str, conf: str, args) -> dict:
         standby = [v["pid"] for v in sampler.workers(sampler.sample(), "standby")]
         sampler.wait_quiet(standby, 1.0, args.timeout, job.proc)  # its shadow iterations are over: warm and waiting
         first = sampler.sample()
-        agents = sorted(p for p, v in first.items() if v["kind"] == "agent")
+        launcher = sorted(p for p, v in first.items() if v["kind"] == "agent")
+        hosts = [p for p in launcher if b"agent.store_host" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        agents = [p for p in launcher if p not in hosts]
         etcd = [p for p, v in first.items() if v["kind"] == "etcd"]
         before, t0 = _threads(agents), time.monotonic()
         time.sleep(args.window)
@@ -61,7 +66,7 @@ def measure(label: str, conf: str, args) -> dict:
         rows.append({"total": sum(delta.values()) * per_s, "main": delta.get("main", 0) * per_s,
                      "grpc": grpc * per_s, "other": (sum(delta.values()) - delta.get("main", 0) - grpc) * per_s})
     return {"configuration": label, "conf": conf, "seconds": round(seconds, 1), "agents": rows,
-            "etcd_ms_s": used(etcd), "standby_ms_s": used(standby)}
+            "etcd_ms_s": used(etcd), "standby_ms_s": used(standby), "store_hosts_ms_s": used(hosts)}
 
 
 def summary(label: str, runs: list[dict]) -> list:
@@ -70,10 +75,12 @@ def summary(label: str, runs: list[dict]) -> list:
     def mean(key: str) -> float:
         return statistics.fmean(a[key] for a in agents)
     etcd, standby = statistics.fmean(r["etcd_ms_s"] for r in runs), statistics.fmean(r["standby_ms_s"] for r in runs)
-    cores = (sum(a["total"] for a in agents) / len(runs) + etcd + standby) / 1000.0
+    hosts = statistics.fmean(r.get("store_hosts_ms_s", 0.0) for r in runs)
+    cores = (sum(a["total"] for a in agents) / len(runs) + etcd + standby + hosts) / 1000.0
     each = ", ".join(f"{a['total']:.1f}" for a in agents)
     return [label, f"{mean('total'):.1f} ({each})", round(mean("main"), 1),
-            round(mean("grpc"), 1), round(mean("other"), 1), round(etcd, 1), round(standby, 1), round(cores, 4)]
+            round(mean("grpc"), 1), round(mean("other"), 1), round(etcd, 1), round(standby, 1), round(hosts, 1),
+            round(cores, 4)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,11 +2,12 @@
 # Every benchmark, one after the other, with the settings docs/benchmarks.md reports.
 # Each runs as python bench/X.py (python -m bench.X works as well) and takes the lock, so that
 # nothing else this repository starts competes for the cores.
-# Usage: bash bench/run_all.sh   (about 130 minutes on 2 cores; results in bench/results, plots in docs/bench)
+# Usage: bash bench/run_all.sh   (about 160 minutes on 2 cores; results in bench/results, plots in docs/bench)
 set -u
 cd "$(dirname "$0")/.."
 run() { echo "== python bench/$*"; flock /tmp/tmrun-bench.lock python "bench/$@" || echo "!! bench/$1 failed"; }
-run steady_state.py --sizes 5M
+run steady_state.py --sizes 5M --repeats 6 --drains 2
+run standby_cost.py --params 5M --window 30 --pairs 4
 run agent_cpu.py --params 1M --window 60 --repeats 2
 run agent_loop_stall.py --repeats 3
 run kill_teardown.py --repeats 5
