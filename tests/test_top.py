@@ -170,3 +170,36 @@ def test_the_link_matrix_shows_each_measured_link_in_mb_per_s() -> None:
     line = [line for line in text.splitlines() if line.startswith("│ n2 ")][-1]  # the nodes table's row comes first
     assert [cell.strip() for cell in line.split("│")[2:4]] == ["125.0", "250.0"], text
     assert frame({**doc, "nodes": doc["nodes"][:2]}, [])["links"] == {"measured": False, "matrix": {}}
+
+
+@pytest.mark.parametrize(("interval", "ttl"), [(1.0, 10), (20.0, 60)])
+def test_the_viewer_key_lives_while_a_view_holds_it_and_goes_with_it(interval: float, ttl: int) -> None:
+    """The key the agents watch to report each second: on a lease that outlives the wait between
+    two refreshes, taken away when the view ends, put again after its lease was lost."""
+    from agent.memory_store import MemoryStore
+    from tmrun.top import Viewer
+
+    async def go() -> None:
+        now = [0.0]
+        store = MemoryStore(clock=lambda: now[0])
+        key = JobKeys("j").viewer
+        viewer = Viewer(store, "j", interval, clock=lambda: now[0])
+        await viewer.hold()
+        assert (await store.get(key)).value["v"] == 1
+        now[0] = ttl / 3 - 0.5
+        await viewer.hold()  # not due yet: the lease runs from the put
+        now[0] = ttl - 0.5
+        assert await store.get(key) is not None
+        now[0] = ttl + 0.5  # no refresh came in time: the lease is gone, and the key with it
+        assert await store.get(key) is None
+        await viewer.hold()  # due: the lease is found gone, and the key is put again
+        assert await store.get(key) is not None
+        now[0] += ttl / 3
+        await viewer.hold()  # refreshed in time
+        now[0] += ttl - 0.5
+        assert await store.get(key) is not None
+        await viewer.release()
+        assert await store.get(key) is None
+        await viewer.release()  # twice: nothing left to take away
+
+    asyncio.run(go())

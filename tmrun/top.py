@@ -74,8 +74,10 @@ class Viewer:
     a user without write access) goes on; it shows the slower reports.
     """
 
-    def __init__(self, store: Store, job: str, interval: float) -> None:
+    def __init__(self, store: Store, job: str, interval: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._store = store
+        self._clock = clock
         self._key = JobKeys(job).viewer
         self._ttl = max(VIEWER_TTL, math.ceil(3 * interval))  # outlives the wait between two refreshes
         self._lease = 0
@@ -83,14 +85,17 @@ class Viewer:
 
     async def hold(self) -> None:
         """Put the key on first use, then keep its lease alive (a third of its TTL at most apart)."""
-        now = time.monotonic()
+        now = self._clock()
         try:
             if not self._lease:
                 self._lease = await self._store.grant_lease(self._ttl)
                 await self._store.put(self._key, {"v": 1, "at": time.time()}, lease=self._lease)
                 self._refreshed = now
             elif now - self._refreshed >= self._ttl / 3:
-                await self._store.refresh_lease(self._lease)
+                if await self._store.refresh_lease(self._lease) <= 0:  # expired, the key with it
+                    self._lease = 0
+                    await self.hold()
+                    return
                 self._refreshed = now
         except StoreError:  # gone or refused: the next refresh puts the key again
             self._lease = 0
