@@ -40,11 +40,9 @@ def measure(label: str, conf: str, args) -> dict:
     job = common.TmrunJob(common.workdir("agent-cpu"), ["--params", args.params, "--steps", "1000000", "--threads", "1"],
                           conf=f"{common.TMRUN_CONF},{conf}", name="agent-cpu")
     try:
-        job.wait_hot(timeout=args.timeout)
         sampler = ProcSampler(common.GPT)
-        standby = [v["pid"] for v in sampler.workers(sampler.sample(), "standby")]
-        sampler.wait_quiet(standby, 1.0, args.timeout, job.proc)  # its shadow iterations are over: warm and waiting
-        first = sampler.sample()
+        first = sampler.wait_warm_standby(job, args.timeout)
+        standby = [v["pid"] for v in sampler.workers(first, "standby")]
         launcher = sorted(p for p, v in first.items() if v["kind"] == "agent")
         hosts = [p for p in launcher if b"agent.store_host" in Path(f"/proc/{p}/cmdline").read_bytes()]
         agents = [p for p in launcher if p not in hosts]

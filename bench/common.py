@@ -199,6 +199,17 @@ def interruption(steps: Sequence[dict], at: float) -> Interruption:
                         median, max(0.0, downtime))
 
 
+T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23}  # t, 2-sided
+
+
+def mean_interval(values: Sequence[float]) -> tuple[float, float | None]:
+    """The mean of ``values`` and the half-width of its 95% confidence interval (Student's t with
+    n - 1 degrees of freedom; None for a single value)."""
+    n = len(values)
+    half = T95.get(n - 1, 1.96) * statistics.stdev(values) / n ** 0.5 if n > 1 else None
+    return statistics.mean(values), half
+
+
 def throughput(steps: Sequence[dict], start: float, end: float) -> float:
     """Distinct committed steps per second between ``start`` and ``end`` (recomputed steps count once)."""
     inside = {r["step"] for r in steps if start <= r["t"] <= end}

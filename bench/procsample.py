@@ -195,6 +195,14 @@ class ProcSampler(threading.Thread):
         raise TimeoutError(f"the standby workers {pids} did not go idle within {timeout:g} s")
 
 
+    def wait_warm_standby(self, job, timeout: float) -> dict[int, dict]:
+        """Until ``job`` (a :class:`bench.common.TmrunJob`) is hot and its standby's workers are idle
+        (their shadow iterations over: warm and waiting); a sample taken then."""
+        job.wait_hot(timeout=timeout)
+        self.wait_quiet([v["pid"] for v in self.workers(self.sample(), "standby")], 1.0, timeout, job.proc)
+        return self.sample()
+
+
 class CpuTrace(threading.Thread):
     """``sampler.sample()`` every ``interval`` s while a drain happens: CPU time per process over time."""
 

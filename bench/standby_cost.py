@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import signal
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,7 +30,6 @@ if not __package__:  # `python bench/X.py`: the repo root, not bench/, on sys.pa
 
 from agent import procfs  # noqa: E402
 from bench import common, procsample  # noqa: E402
-from bench.steady_state import T95  # noqa: E402
 
 CONF = common.TMRUN_CONF.replace("lease_ttl=3", "lease_ttl=60")
 COLUMNS = ["pair", "standby", "steps/s", "actives' CPU/step (ms)"]
@@ -67,11 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     sampler = procsample.ProcSampler(common.GPT)
     rows, pairs = [], []
     try:
-        job.wait_hot(timeout=args.timeout)
-        now = sampler.sample()
+        now = sampler.wait_warm_standby(job, args.timeout)
         standby = [v["pid"] for v in sampler.workers(now, "standby")]
         actives = [v["pid"] for v in sampler.workers(now, "active")]
-        sampler.wait_quiet(standby, 1.0, args.timeout, job.proc)
         table = procfs.table()
         agent = table[standby[0]][0]  # the standby worker's parent: its node's agent
         node = [agent, *sorted(procfs.descendants([agent], table))]
@@ -93,9 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         job.stop()
 
     def interval(key: str) -> str:
-        ratios = [x[key] for x in pairs]
-        half = T95.get(len(ratios) - 1, 1.96) * statistics.stdev(ratios) / len(ratios) ** 0.5
-        return f"{statistics.mean(ratios):.2%} ± {half:.2%}"
+        mean, half = common.mean_interval([x[key] for x in pairs])
+        return f"{mean:.2%} ± {half:.2%}"
 
     summary = [["running / stopped", "", interval("throughput"), interval("cpu_per_step")]]
     return common.finish_table("standby_cost", f"a warm standby's cost to the actives ({args.params})", COLUMNS,

@@ -292,17 +292,13 @@ def main(argv: list[str] | None = None) -> int:
     return report(name, sizes, results, args)
 
 
-T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23}  # t, 2-sided
-
-
 def paired(per: dict[str, list[dict]], run: str) -> dict:
     """``run``'s throughput against torchrun's, paired by repeat: the runs of one repeat follow each
     other, so the machine's drift between repeats (which the plain means carry) cancels. The mean
     of the per-repeat ratios, and the half-width of its 95% confidence interval (t, n - 1)."""
     ratios = [r["steps_per_s"] / b["steps_per_s"] for r, b in zip(per[run], per["torchrun+DDP"])]
-    n = len(ratios)
-    half = (T95.get(n - 1, 1.96) * statistics.stdev(ratios) / n ** 0.5) if n > 1 else None
-    return {"mean": statistics.mean(ratios), "half": half, "ratios": ratios}
+    mean, half = common.mean_interval(ratios)
+    return {"mean": mean, "half": half, "ratios": ratios}
 
 
 def _mean(values):

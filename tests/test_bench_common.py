@@ -42,6 +42,12 @@ def test_throughput_counts_distinct_steps() -> None:
     assert common.throughput(steps, 0.5, 4.5) == pytest.approx(3 / 4)
 
 
+def test_mean_interval_is_the_mean_and_the_t_half_width() -> None:
+    mean, half = common.mean_interval([1.0, 1.02, 0.98])  # stdev 0.02, t(2) = 4.30
+    assert mean == pytest.approx(1.0) and half == pytest.approx(4.30 * 0.02 / 3 ** 0.5)
+    assert common.mean_interval([0.97]) == (0.97, None)
+
+
 def test_read_log_skips_torn_lines_and_separates_events(tmp_path: Path) -> None:
     path = tmp_path / "steps.jsonl"
     path.write_text(json.dumps({"t": 2.0, "step": 2}) + "\n" + json.dumps({"t": 1.0, "step": 1}) + "\n"
