@@ -201,7 +201,13 @@ class Leader:
         self._deputy = deputy(plan)
         if self._deputy == self._cfg.node and (self._warming is None or self._warming.done()):
             self._warming = asyncio.ensure_future(self._stores.start())
-            self._warming.add_done_callback(lambda task: task.cancelled() or task.exception())
+            self._warming.add_done_callback(self._warmed)
+
+    def _warmed(self, task: asyncio.Future) -> None:
+        """A deputy's store host that did not start is started again when it is needed (its
+        first ``open``); say why it failed now."""
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("%s: the deputy's store host did not start: %s", self._cfg.node, task.exception())
 
     async def _leader_changed(self, seen: int) -> None:
         """Wait until the ``leader`` key changes (or the watch was away): the shared watch also
